@@ -1,0 +1,36 @@
+"""hf-sms: Sparse Model Soups (Zimmer, Spiegel, Pokutta; ICLR 2024) for the Hugging Face ecosystem."""
+
+from .batchnorm import recalibrate_batchnorm
+from .config import SparseSoupConfig
+from .merge import MERGE_METHODS, greedy_soup, uniform_soup
+from .pruning import (
+    ALLOCATIONS,
+    PruningStep,
+    apply_masks,
+    compute_masks,
+    phase_sparsities,
+    prunable_tensors,
+    prune,
+    sparsity_report,
+)
+from .schedules import RETRAIN_SCHEDULES
+from .trainer import SparseSoupTrainer
+
+__version__ = "0.1.0"
+__all__ = [
+    "ALLOCATIONS",
+    "MERGE_METHODS",
+    "RETRAIN_SCHEDULES",
+    "PruningStep",
+    "SparseSoupConfig",
+    "SparseSoupTrainer",
+    "apply_masks",
+    "compute_masks",
+    "greedy_soup",
+    "phase_sparsities",
+    "prunable_tensors",
+    "prune",
+    "recalibrate_batchnorm",
+    "sparsity_report",
+    "uniform_soup",
+]

@@ -1,0 +1,65 @@
+"""Keeping pruned weights at exactly zero while training.
+
+No ``torch.nn.utils.prune`` reparametrisation: it breaks ``deepcopy`` and doubles checkpoints. Instead
+gradients are masked before clipping and the optimizer step (so clipping norms, Adam moments and
+Adafactor's factored statistics see only live weights), and after each step the weights and every
+per-element optimizer state are masked again, which also covers optimizers that mix entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .pruning import Masks, validate_masks
+
+
+class MaskEnforcer:
+    """Binds masks to a model's parameters and applies them with fused ``_foreach`` kernels."""
+
+    def __init__(self, model: nn.Module, masks: Masks):
+        tensors = validate_masks(model, masks)
+        self.masks = masks
+        self.params = [tensors[n].param for n in masks]
+        self._device_masks = [m.to(p.device) for m, p in zip(masks.values(), self.params)]
+        self._state_cache: tuple[int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def _sync_devices(self) -> None:
+        # The Trainer may move the model after the masks were bound.
+        if any(m.device != p.device for m, p in zip(self._device_masks, self.params)):
+            self._device_masks = [m.to(p.device) for m, p in zip(self._device_masks, self.params)]
+            self._state_cache = None
+
+    @torch.no_grad()
+    def mask_gradients(self) -> None:
+        self._sync_devices()
+        pairs = [(p.grad, m) for p, m in zip(self.params, self._device_masks) if p.grad is not None]
+        if pairs:
+            torch._foreach_mul_([g for g, _ in pairs], [m for _, m in pairs])
+
+    @torch.no_grad()
+    def mask_parameters(self) -> None:
+        self._sync_devices()
+        torch._foreach_mul_([p.data for p in self.params], self._device_masks)
+
+    @torch.no_grad()
+    def mask_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Zero every optimizer state tensor shaped like its parameter (momentum, Adam moments, ...)."""
+        self._sync_devices()
+        key = (id(optimizer), len(optimizer.state))
+        if self._state_cache is None or self._state_cache[:2] != key:
+            states, masks = [], []
+            for p, m in zip(self.params, self._device_masks):
+                for v in optimizer.state.get(p, {}).values():
+                    if torch.is_tensor(v) and v.shape == p.shape and v.is_floating_point():
+                        states.append(v)
+                        masks.append(m)
+            self._state_cache = (*key, states, masks)
+        states, masks = self._state_cache[2:]
+        if states:
+            torch._foreach_mul_(states, masks)
+
+    def after_step(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self.mask_parameters()
+        if optimizer is not None:
+            self.mask_optimizer_state(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps it

@@ -1,0 +1,126 @@
+"""Retraining learning-rate schedules FT, LRW, SLR, CLR, LLR, ALLR (METHOD.md §3).
+
+Zimmer et al. 2021, "How I Learned to Stop Worrying and Love Retraining". Each schedule is a pure
+function ``lr(step, ctx)``; :func:`make_lr_scheduler` wraps one in a torch ``LambdaLR``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Shapes of the original (pre)training schedule on normalised time u in [0, 1].
+PRETRAIN_SHAPES: dict[str, Callable[[float, float, float], float]] = {
+    "linear": lambda u, hi, lo: hi + (lo - hi) * u,
+    "cosine": lambda u, hi, lo: lo + (hi - lo) * 0.5 * (1.0 + math.cos(math.pi * u)),
+    "step": lambda u, hi, lo: hi * (1.0 if u < 0.5 else 0.1 if u < 0.75 else 0.01),  # CIFAR/ImageNet style
+    "constant": lambda u, hi, lo: hi,
+}
+
+
+@dataclass(frozen=True)
+class ScheduleContext:
+    """What a retraining schedule needs to know.
+
+    Attributes:
+        total_steps: retraining iterations R of this phase.
+        lr_max: eta_max, the peak rate of the original training.
+        lr_min: eta_min, the smallest rate of the original training after warm-up.
+        pretrain_shape: name in ``PRETRAIN_SHAPES`` of the original schedule (LRW, SLR).
+        length_ratio: R / T, retraining length over original training length (in epochs).
+        start_lr: ALLR's start rate eta_0 (see :func:`allr_start_lr`).
+    """
+
+    total_steps: int
+    lr_max: float
+    lr_min: float = 0.0
+    pretrain_shape: str = "linear"
+    length_ratio: float = 1.0
+    start_lr: float | None = None
+
+    def original(self, u: float) -> float:
+        return PRETRAIN_SHAPES[self.pretrain_shape](min(max(u, 0.0), 1.0), self.lr_max, self.lr_min)
+
+    @property
+    def warmup_steps(self) -> int:
+        return math.ceil(0.1 * self.total_steps)
+
+
+def _with_warmup(step: int, ctx: ScheduleContext, start: float, decay: Callable[[float], float]) -> float:
+    """Cosine warm-up over the first 0.1 R steps from 0 to ``start``, then ``decay(tau)``, tau in [0, 1]."""
+    w = ctx.warmup_steps
+    if step < w:
+        return start * 0.5 * (1.0 - math.cos(math.pi * step / w))
+    return decay(min((step - w) / max(ctx.total_steps - w, 1), 1.0))
+
+
+def ft(step: int, ctx: ScheduleContext) -> float:
+    """Fine-tuning: constant eta_min."""
+    return ctx.lr_min
+
+
+def lrw(step: int, ctx: ScheduleContext) -> float:
+    """Learning-rate rewinding: the last R rates of the original schedule."""
+    return ctx.original(1.0 - ctx.length_ratio + ctx.length_ratio * step / max(ctx.total_steps, 1))
+
+
+def slr(step: int, ctx: ScheduleContext) -> float:
+    """Scaled restarting: the original schedule compressed into R iterations."""
+    return _with_warmup(step, ctx, ctx.lr_max, ctx.original)
+
+
+def clr(step: int, ctx: ScheduleContext) -> float:
+    """Cyclic restarting: cosine from eta_max to eta_min."""
+    return _with_warmup(step, ctx, ctx.lr_max, lambda t: PRETRAIN_SHAPES["cosine"](t, ctx.lr_max, ctx.lr_min))
+
+
+def llr(step: int, ctx: ScheduleContext) -> float:
+    """Linear restarting: linear from eta_max to 0."""
+    return _with_warmup(step, ctx, ctx.lr_max, lambda t: ctx.lr_max * (1.0 - t))
+
+
+def allr(step: int, ctx: ScheduleContext) -> float:
+    """Adaptive linear restarting: LLR from ``ctx.start_lr`` (see :func:`allr_start_lr`)."""
+    if ctx.start_lr is None:
+        raise ValueError("ALLR needs start_lr; compute it with allr_start_lr() from the pruning step's norm drop")
+    return _with_warmup(step, ctx, ctx.start_lr, lambda t: ctx.start_lr * (1.0 - t))
+
+
+RETRAIN_SCHEDULES: dict[str, Callable[[int, ScheduleContext], float]] = {
+    "ft": ft,
+    "lrw": lrw,
+    "slr": slr,
+    "clr": clr,
+    "llr": llr,
+    "allr": allr,
+}
+
+
+def allr_start_lr(norm_fraction: float, phase_fraction: float, lr_max: float, length_ratio: float) -> float:
+    """ALLR's start rate ``clip(d / sqrt(q) * eta_max, min(R/T, 1) * eta_max, eta_max)``.
+
+    Args:
+        norm_fraction: d, relative norm of the weights this phase pruned
+            (:func:`hf_sms.pruning.pruned_norm_fraction`).
+        phase_fraction: q, fraction of the weights pruned in this phase (not the cumulative sparsity).
+        lr_max: eta_max of the original training.
+        length_ratio: R / T in epochs.
+    """
+    if phase_fraction <= 0:
+        return lr_max  # nothing pruned: behave like LLR
+    lo = min(length_ratio, 1.0) * lr_max
+    return min(max(norm_fraction / math.sqrt(phase_fraction) * lr_max, lo), lr_max)
+
+
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, name: str, ctx: ScheduleContext):
+    """A ``LambdaLR`` following schedule ``name``; the optimizer's initial lr is the unit it scales."""
+    if name not in RETRAIN_SCHEDULES:
+        raise ValueError(f"unknown retraining schedule {name!r}; choose one of {sorted(RETRAIN_SCHEDULES)}")
+    fn = RETRAIN_SCHEDULES[name]
+    base = optimizer.param_groups[0]["lr"]
+    if base <= 0:
+        raise ValueError("the optimizer's learning rate must be > 0 to scale a retraining schedule")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, ctx) / base)

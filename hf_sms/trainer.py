@@ -1,0 +1,153 @@
+"""``SparseSoupTrainer``: transformers' Trainer with masks kept exact and retraining LR schedules."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from .batchnorm import recalibrate_batchnorm
+from .config import SparseSoupConfig
+from .masking import MaskEnforcer
+from .pruning import Masks, PruningStep, apply_masks, prune
+from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler
+
+MASKS_NAME = "sparse_masks.safetensors"
+
+
+def cross_entropy_loss(outputs, labels, num_items_in_batch=None):
+    """Default loss for models that return logits (timm, smp, plain modules); -100 labels are ignored."""
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction=reduction)
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def save_masks(masks: Masks, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, MASKS_NAME + ".tmp")
+    save_file({n: m.detach().cpu().contiguous() for n, m in masks.items()}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(directory, MASKS_NAME))
+
+
+def load_masks(directory: str) -> Masks | None:
+    path = os.path.join(directory, MASKS_NAME)
+    return load_file(path) if os.path.isfile(path) else None
+
+
+class _MaskCallback(TrainerCallback):
+    def __init__(self, trainer: SparseSoupTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.trainer.enforcer.after_step(optimizer)  # also cleans optimizer state restored on resume
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.trainer.enforcer.after_step(optimizer)
+
+
+class SparseSoupTrainer(Trainer):
+    """Retrains a pruned model: pruned weights stay exactly zero, the LR follows a retraining schedule.
+
+    Args:
+        model: a transformers, timm, smp or plain torch model. Plain models get a cross-entropy loss on
+            ``labels`` unless ``compute_loss_func`` is given.
+        args: a :class:`SparseSoupConfig`; plain ``TrainingArguments`` are converted.
+        masks: the masks to train under, as a ``{name: bool tensor}`` dict or a :class:`PruningStep`
+            (which also carries ALLR's norm drop). If ``None``, the model is magnitude-pruned to
+            ``args.target_sparsity`` with ``args.allocation`` in one shot.
+        **kwargs: passed to ``Trainer``.
+    """
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, masks: Masks | PruningStep | None = None,
+                 **kwargs):
+        if args is None:
+            args = SparseSoupConfig(output_dir="tmp_trainer")
+        elif not isinstance(args, SparseSoupConfig):
+            args = SparseSoupConfig(**{**args.to_dict(), "hub_token": args.hub_token})
+        if model is not None and not isinstance(model, PreTrainedModel):
+            kwargs.setdefault("compute_loss_func", cross_entropy_loss)
+            if args.label_names is None:
+                args.label_names = ["labels"]
+        super().__init__(model=model, args=args, **kwargs)
+        if masks is None:
+            step = prune(self.model, args.target_sparsity, args.allocation)
+        elif isinstance(masks, PruningStep):
+            step = masks
+        else:
+            step = PruningStep.measure(self.model, masks)
+        self.pruning_step = step
+        apply_masks(self.model, step.masks)
+        self.enforcer = MaskEnforcer(self.model, step.masks)
+        self.add_callback(_MaskCallback(self))
+
+    @property
+    def masks(self) -> Masks:
+        return self.enforcer.masks
+
+    # -- the two hooks that keep masks exact -------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:  # last micro-batch: mask before clipping and the step
+            self.enforcer.mask_gradients()
+        return loss
+
+    # -- retraining schedule ------------------------------------------------------------------------
+    def _retrain_epochs(self, num_training_steps: int) -> float:
+        args = self.args
+        try:
+            per_epoch = math.ceil(len(self.train_dataset) / (args.train_batch_size * args.world_size))
+        except TypeError:  # iterable dataset
+            return float(args.num_train_epochs)
+        return num_training_steps / max(math.ceil(per_epoch / args.gradient_accumulation_steps), 1)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            args = self.args
+            ratio = self._retrain_epochs(num_training_steps) / args.pretrain_epochs if args.pretrain_epochs else 1.0
+            start = allr_start_lr(self.pruning_step.norm_fraction, self.pruning_step.phase_fraction, args.eta_max, ratio)
+            ctx = ScheduleContext(num_training_steps, args.eta_max, args.eta_min, args.pretrain_schedule, ratio, start)
+            self.lr_scheduler = make_lr_scheduler(optimizer or self.optimizer, args.retrain_schedule, ctx)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    # -- logging, saving, resuming -----------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        with torch.no_grad():
+            zeros = sum(int((p == 0).sum()) for p in self.enforcer.params)
+            logs["sparsity"] = round(zeros / max(sum(p.numel() for p in self.enforcer.params), 1), 6)
+        super().log(logs, start_time)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            save_masks(self.masks, output_dir or self.args.output_dir)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str):
+            masks = load_masks(resume_from_checkpoint)
+            if masks is None:
+                raise ValueError(f"{resume_from_checkpoint} holds no {MASKS_NAME}: it was not saved by SparseSoupTrainer")
+            self.pruning_step = PruningStep(masks, self.pruning_step.norm_fraction, self.pruning_step.phase_fraction)
+            self.enforcer = MaskEnforcer(self.model, masks)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def recalibrate_batchnorm(self, dataset=None, max_batches: int | None = None):
+        """Exact BatchNorm statistics over the training data in a fixed order (METHOD §5)."""
+        dataset = dataset if dataset is not None else self.train_dataset
+        loader = torch.utils.data.DataLoader(
+            self._remove_unused_columns(dataset, "training") if hasattr(dataset, "column_names") else dataset,
+            batch_size=self.args.per_device_train_batch_size,
+            shuffle=False,
+            collate_fn=self.data_collator,
+        )
+        limit = max_batches if max_batches is not None else self.args.bn_recalibration_batches
+        return recalibrate_batchnorm(self.model, loader, limit)
+
