@@ -46,8 +46,10 @@ class SparseSoupConfig(TrainingArguments):
     )
     pretrain_min_learning_rate: float | None = field(
         default=None,
-        metadata={"help": "Smallest LR eta_min of the original training after warm-up (FT, CLR); default: the "
-                  "final rate of pretrain_schedule."},
+        metadata={
+            "help": "Smallest LR eta_min of the original training after warm-up (FT, CLR); default: the "
+            "final rate of pretrain_schedule."
+        },
     )
     pretrain_schedule: str = field(
         default="linear", metadata={"help": f"Shape of the original LR schedule: one of {sorted(PRETRAIN_SHAPES)}."}

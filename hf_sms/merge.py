@@ -79,8 +79,9 @@ def _soup_model(template: nn.Module, state_dict: StateDict) -> nn.Module:
 
 
 @register_merge("uniform")
-def uniform_soup(models: Sequence[nn.Module], reprune_sparsity: float | None = None, allocation: str = "global",
-                 **_) -> nn.Module:
+def uniform_soup(
+    models: Sequence[nn.Module], reprune_sparsity: float | None = None, allocation: str = "global", **_
+) -> nn.Module:
     """UniformSoup: the elementwise mean of ``models`` (lambda_i = 1/m).
 
     Args:
@@ -100,9 +101,14 @@ def uniform_soup(models: Sequence[nn.Module], reprune_sparsity: float | None = N
 
 
 @register_merge("greedy")
-def greedy_soup(models: Sequence[nn.Module], evaluate: Callable[[nn.Module], float],
-                recalibrate: Callable[[nn.Module], object] | None = None, scores: Sequence[float] | None = None,
-                keep_ties: bool = False, **_) -> nn.Module:
+def greedy_soup(
+    models: Sequence[nn.Module],
+    evaluate: Callable[[nn.Module], float],
+    recalibrate: Callable[[nn.Module], object] | None = None,
+    scores: Sequence[float] | None = None,
+    keep_ties: bool = False,
+    **_,
+) -> nn.Module:
     """GreedySoup (Wortsman et al. 2022): add candidates best-first while the validation metric improves.
 
     Args:

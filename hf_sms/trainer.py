@@ -64,8 +64,9 @@ class SparseSoupTrainer(Trainer):
         **kwargs: passed to ``Trainer``.
     """
 
-    def __init__(self, model=None, args: TrainingArguments | None = None, masks: Masks | PruningStep | None = None,
-                 **kwargs):
+    def __init__(
+        self, model=None, args: TrainingArguments | None = None, masks: Masks | PruningStep | None = None, **kwargs
+    ):
         if args is None:
             args = SparseSoupConfig(output_dir="tmp_trainer")
         elif not isinstance(args, SparseSoupConfig):
@@ -110,7 +111,9 @@ class SparseSoupTrainer(Trainer):
         if self.lr_scheduler is None:
             args = self.args
             ratio = self._retrain_epochs(num_training_steps) / args.pretrain_epochs if args.pretrain_epochs else 1.0
-            start = allr_start_lr(self.pruning_step.norm_fraction, self.pruning_step.phase_fraction, args.eta_max, ratio)
+            start = allr_start_lr(
+                self.pruning_step.norm_fraction, self.pruning_step.phase_fraction, args.eta_max, ratio
+            )
             ctx = ScheduleContext(num_training_steps, args.eta_max, args.eta_min, args.pretrain_schedule, ratio, start)
             self.lr_scheduler = make_lr_scheduler(optimizer or self.optimizer, args.retrain_schedule, ctx)
             self._created_lr_scheduler = True
@@ -134,7 +137,9 @@ class SparseSoupTrainer(Trainer):
         if isinstance(resume_from_checkpoint, str):
             masks = load_masks(resume_from_checkpoint)
             if masks is None:
-                raise ValueError(f"{resume_from_checkpoint} holds no {MASKS_NAME}: it was not saved by SparseSoupTrainer")
+                raise ValueError(
+                    f"{resume_from_checkpoint} holds no {MASKS_NAME}: it was not saved by SparseSoupTrainer"
+                )
             self.pruning_step = PruningStep(masks, self.pruning_step.norm_fraction, self.pruning_step.phase_fraction)
             self.enforcer = MaskEnforcer(self.model, masks)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
@@ -150,4 +155,3 @@ class SparseSoupTrainer(Trainer):
         )
         limit = max_batches if max_batches is not None else self.args.bn_recalibration_batches
         return recalibrate_batchnorm(self.model, loader, limit)
-

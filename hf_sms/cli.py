@@ -1,0 +1,27 @@
+"""The ``hf-sms`` command: ``demo``, ``merge``, ``inspect``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-sms", description="Sparse Model Soups for the Hugging Face ecosystem.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from . import demo
+
+    demo.add_parser(sub)
+    # Checkpoint commands (merge, inspect) register themselves here.
+    try:
+        from . import checkpoint_cli
+    except ImportError:  # pragma: no cover - only while the module is missing
+        checkpoint_cli = None
+    if checkpoint_cli is not None:
+        checkpoint_cli.add_parsers(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
