@@ -12,13 +12,6 @@ def main(argv: list[str] | None = None) -> int:
     from . import demo
 
     demo.add_parser(sub)
-    # Checkpoint commands (merge, inspect) register themselves here.
-    try:
-        from . import checkpoint_cli
-    except ImportError:  # pragma: no cover - only while the module is missing
-        checkpoint_cli = None
-    if checkpoint_cli is not None:
-        checkpoint_cli.add_parsers(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
