@@ -1,0 +1,64 @@
+"""Data helpers: the validation split (METHOD §4) and the offline digits data set of the demo."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+
+def split_validation(train_dataset, fraction: float, seed: int):
+    """Split ``fraction`` of ``train_dataset`` off for validation with a fixed seed: ``(train, validation)``."""
+    if hasattr(train_dataset, "train_test_split"):  # datasets.Dataset
+        split = train_dataset.train_test_split(test_size=fraction, seed=seed)
+        return split["train"], split["test"]
+    n = len(train_dataset)
+    n_val = max(1, round(n * fraction))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return Subset(train_dataset, perm[n_val:]), Subset(train_dataset, perm[:n_val])
+
+
+class TensorDictDataset(Dataset):
+    """Items ``{"x": image, "labels": label}``: the layout timm, smp and plain models take."""
+
+    def __init__(self, x: torch.Tensor, labels: torch.Tensor, augment=None):
+        self.x, self.labels, self.augment = x, labels, augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        x = self.x[i] if self.augment is None else self.augment(self.x[i])
+        return {"x": x, "labels": self.labels[i]}
+
+
+def random_shift(max_shift: int = 1):
+    """Random translation by up to ``max_shift`` pixels with zero padding: cheap augmentation for 8x8 digits."""
+
+    def shift(x: torch.Tensor) -> torch.Tensor:
+        dy, dx = torch.randint(-max_shift, max_shift + 1, (2,)).tolist()
+        padded = torch.nn.functional.pad(x, (max_shift,) * 4)
+        h, w = x.shape[-2:]
+        return padded[..., max_shift + dy : max_shift + dy + h, max_shift + dx : max_shift + dx + w]
+
+    return shift
+
+
+def load_digits_splits(val_fraction: float = 0.1, test_fraction: float = 0.2, seed: int = 0, augment: bool = True):
+    """scikit-learn's 8x8 digits (1797 real images, shipped with scikit-learn): ``(train, validation, test)``.
+
+    Validation is ``val_fraction`` of the training part, split with a fixed seed and never augmented.
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_test = round(len(y) * test_fraction)
+    n_val = round((len(y) - n_test) * val_fraction)
+    test, val, train = perm[:n_test], perm[n_test : n_test + n_val], perm[n_test + n_val :]
+    return (
+        TensorDictDataset(x[train], y[train], random_shift() if augment else None),
+        TensorDictDataset(x[val], y[val]),
+        TensorDictDataset(x[test], y[test]),
+    )

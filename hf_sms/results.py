@@ -1,0 +1,95 @@
+"""Results of SMS runs: results.json, a table shaped like the paper's Table 1, and a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+ROW_ORDER = (
+    "sms_uniform",
+    "sms_greedy",
+    "best_candidate",
+    "mean_candidate",
+    "ensemble",
+    "imp_mx",
+    "imp_reprune",
+    "imp",
+)
+ROW_NAMES = {
+    "sms_uniform": "SMS (uniform)",
+    "sms_greedy": "SMS (greedy)",
+    "best_candidate": "best candidate",
+    "mean_candidate": "mean candidate",
+    "ensemble": "ensemble (not a single model)",
+    "imp_mx": "IMP_mx",
+    "imp_reprune": "IMP-RePrune",
+    "imp": "IMP",
+}
+
+
+def metric_table(runs: list[dict], split: str = "test") -> dict[str, list[list[float]]]:
+    """``{method: [[value per run] per phase]}`` for one split, ensemble included from the diagnostics."""
+    table: dict[str, list[list[float]]] = {}
+    for run in runs:
+        rows = dict(run["rows"])
+        if run.get("sms") and f"ensemble_{split}" in run["sms"][0]:
+            rows["ensemble"] = [{split: d[f"ensemble_{split}"]} for d in run["sms"]]
+        for method, phases in rows.items():
+            cols = table.setdefault(method, [[] for _ in phases])
+            for col, row in zip(cols, phases):
+                if row.get(split) is not None:
+                    col.append(row[split])
+    return table
+
+
+def _cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def format_table(runs: list[dict], split: str = "test") -> str:
+    """Markdown table: rows are methods, columns are phases (mean ± std over runs)."""
+    phases = runs[0]["phases"]
+    table = metric_table(runs, split)
+    head = "| method | " + " | ".join(f"phase {i + 1} ({100 * s:.1f}%)" for i, s in enumerate(phases)) + " |"
+    lines = [head, "|" + "---|" * (len(phases) + 1)]
+    for method in [m for m in ROW_ORDER if m in table] + sorted(set(table) - set(ROW_ORDER)):
+        lines.append(f"| {ROW_NAMES.get(method, method)} | " + " | ".join(_cell(c) for c in table[method]) + " |")
+    return "\n".join(lines)
+
+
+def save_results(results: dict | list[dict], path: str) -> None:
+    """Write ``results`` as JSON atomically (temp file, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def plot_results(runs: list[dict], path: str, split: str = "test", ylabel: str = "test accuracy (%)") -> None:
+    """PNG of the metric vs sparsity, one line per method, mean ± std over runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = [100 * s for s in runs[0]["phases"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, cols in metric_table(runs, split).items():
+        if not all(cols):
+            continue
+        means = [statistics.mean(c) for c in cols]
+        stds = [statistics.stdev(c) if len(c) > 1 else 0.0 for c in cols]
+        ax.errorbar(phases, means, yerr=stds, marker="o", capsize=3, label=ROW_NAMES.get(method, method))
+    ax.set_xlabel("sparsity (%)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
