@@ -14,6 +14,7 @@ from .pruning import (
     sparsity_report,
 )
 from .schedules import RETRAIN_SCHEDULES
+from .sms import SparseModelSoup, run_sms
 from .trainer import SparseSoupTrainer
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "MERGE_METHODS",
     "RETRAIN_SCHEDULES",
     "PruningStep",
+    "SparseModelSoup",
     "SparseSoupConfig",
     "SparseSoupTrainer",
     "apply_masks",
@@ -31,6 +33,7 @@ __all__ = [
     "prunable_tensors",
     "prune",
     "recalibrate_batchnorm",
+    "run_sms",
     "sparsity_report",
     "uniform_soup",
 ]

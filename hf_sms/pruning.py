@@ -153,9 +153,10 @@ def erk_densities(shapes: dict[str, tuple[int, ...]], sparsity: float) -> dict[s
     while True:
         rest = [n for n in shapes if n not in dense]
         eps = (budget - sum(numel[n] for n in dense)) / sum(raw[n] * numel[n] for n in rest)
-        too_dense = {n for n in rest if eps * raw[n] > 1.0}
+        # The tolerance keeps float error from making every layer "too dense" (0/0 at sparsity 0).
+        too_dense = {n for n in rest if eps * raw[n] > 1.0 + 1e-9}
         if not too_dense:
-            return {n: 1.0 if n in dense else eps * raw[n] for n in shapes}
+            return {n: 1.0 if n in dense else min(eps * raw[n], 1.0) for n in shapes}
         dense |= too_dense
 
 

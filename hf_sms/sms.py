@@ -22,6 +22,7 @@ from .data import split_validation
 from .evaluation import MetricFn, pairwise_l2
 from .merge import greedy_soup, uniform_soup
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
+from .results import save_results
 from .trainer import SparseSoupTrainer
 
 logger = logging.getLogger("hf_sms")
@@ -34,11 +35,8 @@ _RUN_KEYS = (
 ).split()
 
 
-def _atomic_json(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 class SparseModelSoup:
@@ -80,12 +78,15 @@ class SparseModelSoup:
             step = prune(model, sparsity, a.allocation, masks)  # Step 1: prune the soup to s_p
             masks = step.masks
             candidates = [  # Step 2: retrain m copies with hyperparameters h_i (fully parallel)
-                self.train_replica(model, step, dataclasses.replace(a, **h), f"sms/phase{p}/replica{i}")
+                self.recalibrate(
+                    self.train_replica(model, step, dataclasses.replace(a, **h), f"sms/phase{p}/replica{i}")
+                )
                 for i, h in enumerate(a.replica_overrides())
             ]
-            soups = self.merge(candidates)  # Step 3: average into one model with the same mask
+            val = [self.evaluate(c, self.eval_dataset) for c in candidates]
+            soups = self.merge(candidates, val)  # Step 3: average into one model with the same mask
             model = soups[a.merge_method]
-            self._record_sms(p, sparsity, candidates, soups)
+            self._record_sms(p, sparsity, candidates, val, soups)
         self.final_soup = model
         if "imp_mx" in a.baselines:
             m = a.num_replicas  # same total compute as SMS: one replica, m times as long
@@ -96,6 +97,7 @@ class SparseModelSoup:
             self.run_imp("imp_mx", dataclasses.replace(a, **scale), n_tracks=1)
         if "imp" in a.baselines or "imp_reprune" in a.baselines:
             self.run_imp("imp", a, n_tracks=a.num_replicas if "imp_reprune" in a.baselines else 1)
+        save_results(self.results, os.path.join(a.output_dir, "results.json"))
         return model
 
     def run_imp(self, name: str, args: SparseSoupConfig, n_tracks: int) -> None:
@@ -106,7 +108,7 @@ class SparseModelSoup:
                 step = prune(models[i], sparsity, args.allocation, masks[i])
                 masks[i] = step.masks
                 h = dataclasses.replace(args, seed=args.seed + i)
-                models[i] = self.recalibrate(self.train_replica(models[i], step, h, f"{name}/phase{p}/track{i}"))
+                models[i] = self.recalibrate(self.train_replica(models[i], step, h, f"{name}/phase{p + 1}/track{i}"))
             self._record(name, p, models[0])
             if n_tracks > 1:
                 self._record("imp_reprune", p, self.recalibrate(uniform_soup(models, reprune_sparsity=sparsity)))
@@ -121,8 +123,9 @@ class SparseModelSoup:
             logger.info("[hf-sms] %s: finished earlier, loading %s", name, path)
             load_model(model, path)
             return model
-        logger.info("[hf-sms] %s: retraining (seed=%s, lr=%s, wd=%s, epochs=%s)", name, args.seed, args.learning_rate,
-                    args.weight_decay, args.num_train_epochs)  # fmt: skip
+        logger.info("[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s)", name,
+                    1 - sum(int(m.sum()) for m in step.masks.values()) / sum(m.numel() for m in step.masks.values()),
+                    args.seed, args.learning_rate, args.weight_decay, args.num_train_epochs)  # fmt: skip
         args = dataclasses.replace(args, output_dir=out_dir)
         trainer = SparseSoupTrainer(model, args, masks=step, train_dataset=self.train_dataset, **self.trainer_kwargs)
         trainer.train()
@@ -131,19 +134,18 @@ class SparseModelSoup:
         os.replace(path + ".tmp", path)  # a half-written replica is never taken as finished
         return model
 
-    def merge(self, candidates: list[nn.Module]) -> dict[str, nn.Module]:
-        """Uniform and greedy soups of ``candidates``, BatchNorm recalibrated."""
+    def merge(self, candidates: list[nn.Module], val: list[float]) -> dict[str, nn.Module]:
+        """Uniform and greedy soups of ``candidates`` (BatchNorm recalibrated; ``val``: their metrics)."""
         if len(candidates) == 1:
-            single = self.recalibrate(copy.deepcopy(candidates[0]))
-            return {"uniform": single, "greedy": single}
-        uniform = self.recalibrate(uniform_soup(candidates))
+            return {"uniform": candidates[0], "greedy": candidates[0]}
         greedy = greedy_soup(
             candidates,
             evaluate=lambda m: self.evaluate(m, self.eval_dataset),
             recalibrate=self.recalibrate,
+            scores=val,
             keep_ties=self.args.greedy_keep_ties,
         )
-        return {"uniform": uniform, "greedy": self.recalibrate(greedy)}
+        return {"uniform": self.recalibrate(uniform_soup(candidates)), "greedy": self.recalibrate(greedy)}
 
     def recalibrate(self, model: nn.Module) -> nn.Module:
         if self.args.recalibrate_bn and has_batchnorm(model):
@@ -167,28 +169,26 @@ class SparseModelSoup:
         }
         self.results["rows"].setdefault(method, []).append(row)
         logger.info("[hf-sms] phase %d %s: sparsity %.4f val %s test %s", phase + 1, method, row["sparsity"],
-                    row["val"], row["test"])  # fmt: skip
+                    _fmt(row["val"]), _fmt(row["test"]))  # fmt: skip
         return row
 
-    def _record_sms(self, p: int, sparsity: float, candidates: list[nn.Module], soups: dict) -> None:
-        cands = [self.recalibrate(copy.deepcopy(c)) for c in candidates]
-        val = [self.evaluate(c, self.eval_dataset) for c in cands]
+    def _record_sms(self, p: int, sparsity: float, cands: list[nn.Module], val: list[float], soups: dict) -> None:
         test = [self.evaluate(c, self.test_dataset) for c in cands]
         best = max(range(len(cands)), key=lambda i: val[i])  # chosen on validation, never on test
         self._record("sms_uniform", p, soups["uniform"])
         self._record("sms_greedy", p, soups["greedy"], kept=getattr(soups["greedy"], "greedy_info", {}).get("kept"))
         self._record("best_candidate", p, cands[best], index=best)
         mean = {k: sum(v) / len(v) if None not in v else None for k, v in (("val", val), ("test", test))}
-        self.results["rows"].setdefault("mean_candidate", []).append(
-            {"phase": p + 1, "sparsity": self.results["rows"]["best_candidate"][-1]["sparsity"], **mean}
-        )
+        sparsity_now = self.results["rows"]["best_candidate"][-1]["sparsity"]
+        self.results["rows"].setdefault("mean_candidate", []).append({"phase": p + 1, "sparsity": sparsity_now, **mean})
         diag = {"phase": p + 1, "target_sparsity": sparsity, "candidates_val": val, "candidates_test": test,
-                "pairwise_l2": pairwise_l2(candidates), "continued_with": self.args.merge_method}  # fmt: skip
+                "pairwise_l2": pairwise_l2(cands), "continued_with": self.args.merge_method}  # fmt: skip
         if self.ensemble_fn is not None:
             diag["ensemble_val"] = float(self.ensemble_fn(cands, self.eval_dataset))
             if self.test_dataset is not None:
                 diag["ensemble_test"] = float(self.ensemble_fn(cands, self.test_dataset))
         self.results["sms"].append(diag)
+        save_results(self.results, os.path.join(self.args.output_dir, "results.json"))
 
     def _check_output_dir(self) -> None:
         """Refuse to resume into a directory written by a different run configuration."""
@@ -213,7 +213,7 @@ class SparseModelSoup:
                 f"{self.args.output_dir} is not empty and holds no hf-sms run.json; use a fresh --output_dir"
             )
         else:
-            _atomic_json(fingerprint, path)
+            save_results(fingerprint, path)
 
 
 def run_sms(model: nn.Module, args: SparseSoupConfig, train_dataset, metric_fn: MetricFn, **kwargs):
