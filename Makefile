@@ -1,0 +1,18 @@
+# One command sets up and runs each job on a fresh machine (Python >= 3.10 with pip).
+PY ?= python3
+# torch/torchvision are pinned to the last releases that import together on CPU-only machines here.
+INSTALL = $(PY) -m pip install --no-build-isolation -q "torch==2.14.1" "torchvision==0.29.1" -e ".[dev,seg]"
+
+.PHONY: install demo test lint bench
+
+install:
+	$(INSTALL)
+
+demo: install
+	$(PY) -m hf_sms.cli demo --output-dir demo-output
+
+test: install
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q
+
+lint:
+	ruff check . && ruff format --check .

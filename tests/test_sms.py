@@ -1,0 +1,135 @@
+"""The SMS loop end to end on tiny models: rows, masks, resume, output-directory checks."""
+
+import json
+from unittest import mock
+
+import pytest
+import torch
+from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+
+from hf_sms import SparseModelSoup, SparseSoupConfig, phase_sparsities, run_sms, sparsity_report
+from hf_sms.data import TensorDictDataset, load_digits_splits
+from hf_sms.demo import DigitsResNet
+from hf_sms.evaluation import classification_metrics
+from hf_sms.pruning import masks_from_model
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "run"), target_sparsity=0.8, n_phases=2, num_replicas=2, max_steps=4,
+        per_device_train_batch_size=32, learning_rate=0.05, optim="sgd", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    return SparseSoupConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def digits():
+    train, val, test = load_digits_splits(seed=0)
+    small = TensorDictDataset(train.x[:256], train.labels[:256], train.augment)
+    return small, val, test
+
+
+def test_run_sms_end_to_end_with_all_baselines(tmp_path, digits):
+    train, val, test = digits
+    accuracy, ensemble = classification_metrics()
+    args = _args(tmp_path, baselines=["imp", "imp_mx", "imp_reprune"], retrain_schedule="allr", pretrain_epochs=10)
+    pretrained = DigitsResNet(width=4)
+    before = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    soup, results = run_sms(
+        pretrained, args, train, accuracy, eval_dataset=val, test_dataset=test, ensemble_fn=ensemble
+    )
+
+    assert all(torch.equal(before[k], v) for k, v in pretrained.state_dict().items()), "input model was modified"
+    expected = {"sms_uniform", "sms_greedy", "best_candidate", "mean_candidate", "imp", "imp_mx", "imp_reprune"}
+    assert set(results["rows"]) == expected
+    targets = phase_sparsities(0.8, 2)
+    for method, rows in results["rows"].items():
+        assert [r["phase"] for r in rows] == [1, 2]
+        for row, target in zip(rows, targets):
+            assert row["sparsity"] == pytest.approx(target, abs=1e-3), method
+            assert 0.0 <= row["test"] <= 100.0 and 0.0 <= row["val"] <= 100.0
+    assert sparsity_report(soup)["sparsity"] == pytest.approx(0.8, abs=1e-3)
+    for diag in results["sms"]:
+        assert len(diag["pairwise_l2"]) == 1 and diag["pairwise_l2"][0] > 0  # replicas really differ
+        assert "ensemble_val" in diag and "ensemble_test" in diag
+    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert on_disk["rows"].keys() == results["rows"].keys()
+
+
+def test_masks_only_grow_across_phases(tmp_path, digits):
+    train, val, _ = digits
+    accuracy, _ = classification_metrics()
+    runner = SparseModelSoup(DigitsResNet(width=4), _args(tmp_path, n_phases=2), train, accuracy, eval_dataset=val)
+    seen = []
+    original = runner.merge
+
+    def spy(candidates, val_scores):
+        seen.append(masks_from_model(candidates[0]))
+        for c in candidates[1:]:  # every replica of a phase shares the mask exactly
+            assert all(torch.equal(seen[-1][n], m) for n, m in masks_from_model(c).items())
+        return original(candidates, val_scores)
+
+    runner.merge = spy
+    runner.run()
+    assert all(bool((~seen[0][n] & seen[1][n]).sum() == 0) for n in seen[0])  # pruned in 1 stays pruned in 2
+
+
+def test_resume_does_not_retrain_finished_replicas(tmp_path, digits):
+    train, val, test = digits
+    accuracy, _ = classification_metrics()
+    args = _args(tmp_path, baselines=["imp"])
+    soup, results = run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val, test_dataset=test)
+    with mock.patch("hf_sms.sms.SparseSoupTrainer.train", side_effect=AssertionError("retrained a finished replica")):
+        soup2, results2 = run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val, test_dataset=test)
+    assert results2["rows"] == results["rows"]
+    assert all(torch.equal(a, b) for a, b in zip(soup.state_dict().values(), soup2.state_dict().values()))
+
+
+def test_foreign_or_changed_output_dir_is_refused(tmp_path, digits):
+    train, val, _ = digits
+    accuracy, _ = classification_metrics()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty and holds no hf-sms run.json"):
+        run_sms(DigitsResNet(width=4), _args(tmp_path), train, accuracy, eval_dataset=val)
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+    (tmp_path / "run" / "notes.txt").unlink()
+    SparseModelSoup(DigitsResNet(width=4), _args(tmp_path), train, accuracy, eval_dataset=val)._check_output_dir()
+    with pytest.raises(ValueError, match=r"different configuration \(changed: \['num_replicas'\]\)"):
+        run_sms(DigitsResNet(width=4), _args(tmp_path, num_replicas=3), train, accuracy, eval_dataset=val)
+
+
+def test_validation_is_split_off_train_with_a_fixed_seed(tmp_path, digits):
+    train, _, _ = digits
+    accuracy, _ = classification_metrics()
+    a = SparseModelSoup(DigitsResNet(width=4), _args(tmp_path), train, accuracy)
+    b = SparseModelSoup(DigitsResNet(width=4), _args(tmp_path), train, accuracy)
+    assert len(a.eval_dataset) == round(0.1 * len(train))
+    assert a.eval_dataset.indices == b.eval_dataset.indices
+    assert not set(a.eval_dataset.indices) & set(a.train_dataset.indices)
+
+
+def test_run_sms_on_a_tiny_t5(tmp_path):
+    tok = ByT5Tokenizer()
+    cfg = T5Config(vocab_size=tok.vocab_size, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
+                   decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(cfg)
+    src = tok([f"copy {i}" for i in range(40)], padding="max_length", max_length=12)
+    tgt = tok([f"{i}" for i in range(40)], padding="max_length", max_length=6)["input_ids"]
+    rows = [
+        {"input_ids": torch.tensor(s), "attention_mask": torch.tensor(a), "labels": torch.tensor(t)}
+        for s, a, t in zip(src["input_ids"], src["attention_mask"], tgt)
+    ]
+
+    @torch.no_grad()
+    def neg_loss(model, dataset):
+        model.eval()
+        batch = {k: torch.stack([r[k] for r in dataset]) for k in dataset[0]}
+        return -float(model(**batch).loss)
+
+    args = _args(tmp_path, n_phases=1, target_sparsity=0.5, learning_rate=1e-3, optim="adamw_torch")
+    soup, results = run_sms(model, args, rows[:32], neg_loss, eval_dataset=rows[32:])
+    assert soup.lm_head.weight is soup.shared.weight  # the tie survives merging
+    assert results["rows"]["sms_uniform"][0]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert results["rows"]["sms_greedy"][0]["val"] >= max(results["sms"][0]["candidates_val"])
