@@ -22,7 +22,7 @@ class MaskEnforcer:
         self.masks = masks
         self.params = [tensors[n].param for n in masks]
         self._device_masks = [m.to(p.device) for m, p in zip(masks.values(), self.params)]
-        self._state_cache: tuple[int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._state_cache: tuple[int, int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def _sync_devices(self) -> None:
         # The Trainer may move the model after the masks were bound.
@@ -46,8 +46,9 @@ class MaskEnforcer:
     def mask_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Zero every optimizer state tensor shaped like its parameter (momentum, Adam moments, ...)."""
         self._sync_devices()
-        key = (id(optimizer), len(optimizer.state))
-        if self._state_cache is None or self._state_cache[:2] != key:
+        # optimizer.load_state_dict swaps in a new state dict: its id is part of the key.
+        key = (id(optimizer), id(optimizer.state), len(optimizer.state))
+        if self._state_cache is None or self._state_cache[:3] != key:
             states, masks = [], []
             for p, m in zip(self.params, self._device_masks):
                 for v in optimizer.state.get(p, {}).values():
@@ -55,7 +56,7 @@ class MaskEnforcer:
                         states.append(v)
                         masks.append(m)
             self._state_cache = (*key, states, masks)
-        states, masks = self._state_cache[2:]
+        states, masks = self._state_cache[3:]
         if states:
             torch._foreach_mul_(states, masks)
 

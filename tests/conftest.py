@@ -1,0 +1,149 @@
+"""Shared fixtures: tiny models built from configs (no downloads), small datasets, trainer arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+# Tiny models run faster on one thread than on two fighting ones.
+torch.set_num_threads(1)
+
+
+class TinyCNN(nn.Module):
+    """A plain ``nn.Module`` with every kind of parameter the pruning code must tell apart."""
+
+    def __init__(self, num_classes: int = 4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.gn = nn.GroupNorm(2, 8)
+        self.fc1 = nn.Linear(8, 16)
+        self.ln = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.gn(self.conv2(x)))
+        x = x.mean(dim=(2, 3))
+        return self.fc2(torch.relu(self.ln(self.fc1(x))))
+
+
+def make_cnn(num_classes: int = 4, seed: int = 0) -> TinyCNN:
+    torch.manual_seed(seed)
+    return TinyCNN(num_classes)
+
+
+def make_resnet(num_classes: int = 4, seed: int = 0):
+    """A timm ResNet-18 layout with one block per stage and narrow channels (~10k parameters)."""
+    import timm
+
+    torch.manual_seed(seed)
+    return timm.create_model(
+        "resnet18",
+        pretrained=False,
+        num_classes=num_classes,
+        layers=(1, 1, 1, 1),
+        channels=(8, 16, 16, 16),
+        stem_width=8,
+    )
+
+
+def make_t5(seed: int = 0):
+    """A 1+1 layer T5 with d_model=16 over ByT5's byte vocabulary (384 ids); lm_head is tied to shared."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=384,
+        d_model=16,
+        d_ff=32,
+        d_kv=8,
+        num_heads=2,
+        num_layers=1,
+        num_decoder_layers=1,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        initializer_factor=0.1,  # keeps the initial loss near log(384) so a few steps show learning
+    )
+    return T5ForConditionalGeneration(config)
+
+
+@pytest.fixture
+def cnn():
+    return make_cnn()
+
+
+@pytest.fixture
+def resnet():
+    return make_resnet()
+
+
+@pytest.fixture
+def t5():
+    return make_t5()
+
+
+@pytest.fixture(scope="session")
+def byt5_tokenizer():
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer()  # byte-level: needs no vocabulary file
+
+
+@pytest.fixture(scope="session")
+def t5_dataset(byt5_tokenizer):
+    """A copy task: the target is the input bytes."""
+    words = ["sparse", "model", "soups", "prune", "merge", "train", "hello", "world"]
+    enc = byt5_tokenizer(words, padding="max_length", max_length=8, truncation=True, return_tensors="pt")
+    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+    return [
+        {"input_ids": enc.input_ids[i], "attention_mask": enc.attention_mask[i], "labels": labels[i]} for i in range(8)
+    ]
+
+
+def make_image_dataset(n: int = 32, num_classes: int = 4, size: int = 8, seed: int = 0) -> list[dict]:
+    """Images whose class is the colour channel holding a bright blob (channel 0 for class 3), plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, size, size, generator=g) * 0.5
+    y = torch.arange(n) % num_classes
+    for i in range(n):
+        x[i, int(y[i]) % 3, 2:6, 2:6] += 2.0 if y[i] < 3 else -2.0
+    return [{"x": x[i], "labels": y[i]} for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def image_dataset():
+    return make_image_dataset()
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    return str(tmp_path / "out")
+
+
+@pytest.fixture
+def make_args(out_dir):
+    """``make_args(**overrides)``: TrainingArguments for fast, quiet, offline CPU tests."""
+    from transformers import TrainingArguments
+
+    def make(cls=TrainingArguments, **overrides):
+        kwargs = dict(
+            output_dir=out_dir,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            save_strategy="no",
+            per_device_train_batch_size=8,
+            max_steps=10,
+            learning_rate=1e-2,
+            logging_steps=1,
+            seed=0,
+            dataloader_num_workers=0,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    return make
