@@ -17,7 +17,7 @@ from transformers import Trainer, TrainingArguments
 
 from .config import SparseSoupConfig
 from .data import load_digits_splits
-from .evaluation import classification_metrics
+from .evaluation import ClassificationAccuracy
 from .results import format_table, plot_results, save_results
 from .sms import SparseModelSoup
 from .trainer import cross_entropy_loss
@@ -75,7 +75,7 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
     pre_epochs, retrain_epochs, lr = (6, 2, 0.1) if quick else (30, 8, 0.1)
     model = pretrain(DigitsResNet(width=16 if quick else 32), train, os.path.join(output_dir, "pretrain"),
                      pre_epochs, lr, seed)  # fmt: skip
-    accuracy, ensemble_accuracy = classification_metrics()
+    accuracy = ClassificationAccuracy()
     dense = {"val": accuracy(model, val), "test": accuracy(model, test)}
     print(f"[hf-sms] pretrained dense model: val {dense['val']:.2f}% test {dense['test']:.2f}%", flush=True)
     args = SparseSoupConfig(
@@ -85,8 +85,7 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
         optim_args="momentum=0.9,nesterov=true", weight_decay=5e-4, seed=seed, use_cpu=True, disable_tqdm=True,
         baselines=["imp", "imp_mx"], merge_method="uniform",
     )  # fmt: skip
-    runner = SparseModelSoup(model, args, train, accuracy, eval_dataset=val, test_dataset=test,
-                             ensemble_fn=ensemble_accuracy)  # fmt: skip
+    runner = SparseModelSoup(model, args, train, accuracy, eval_dataset=val, test_dataset=test)
     soup = runner.run()
     results = {**runner.results, "dense": dense, "seconds": round(time.time() - t0, 1), "quick": quick}
     save_results(results, os.path.join(output_dir, "results.json"))

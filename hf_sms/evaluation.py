@@ -1,9 +1,8 @@
-"""Metrics the SMS loop records: accuracy, the prediction ensemble, and averageability diagnostics."""
+"""Metrics the SMS loop records: accuracy and the prediction ensemble."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,24 +34,28 @@ def predict_proba(
     return torch.cat(probs), torch.cat(labels)
 
 
-def classification_metrics(batch_size: int = 256, collate_fn=None) -> tuple[MetricFn, Callable]:
-    """``(accuracy, ensemble_accuracy)`` for classifiers: top-1 accuracy in %, and the accuracy of the
-    averaged softmax of several models (the prediction ensemble, METHOD §8)."""
+class ClassificationAccuracy:
+    """Top-1 accuracy in % as a metric for the SMS loop: ``metric(model, dataset) -> float``.
 
-    def accuracy(model: nn.Module, dataset) -> float:
-        probs, labels = predict_proba(model, dataset, batch_size, collate_fn)
+    It also defines ``predict(model, dataset)`` (softmax probabilities) and ``score(probs, dataset)``, which
+    the loop uses for the prediction-ensemble diagnostic (METHOD §8); any metric object with those two
+    methods gets the ensemble row.
+    """
+
+    def __init__(self, batch_size: int = 256, collate_fn=None):
+        self.batch_size, self.collate_fn = batch_size, collate_fn
+
+    def predict(self, model: nn.Module, dataset) -> torch.Tensor:
+        return predict_proba(model, dataset, self.batch_size, self.collate_fn)[0]
+
+    def score(self, probs: torch.Tensor, dataset) -> float:
+        labels = torch.cat([b["labels"] for b in DataLoader(dataset, self.batch_size, collate_fn=self._collate)])
         return 100.0 * float((probs.argmax(-1) == labels).float().mean())
 
-    def ensemble_accuracy(models: Sequence[nn.Module], dataset) -> float:
-        outs = [predict_proba(m, dataset, batch_size, collate_fn) for m in models]
-        probs = torch.stack([p for p, _ in outs]).mean(0)
-        return 100.0 * float((probs.argmax(-1) == outs[0][1]).float().mean())
+    def __call__(self, model: nn.Module, dataset) -> float:
+        probs, labels = predict_proba(model, dataset, self.batch_size, self.collate_fn)
+        return 100.0 * float((probs.argmax(-1) == labels).float().mean())
 
-    return accuracy, ensemble_accuracy
-
-
-@torch.no_grad()
-def pairwise_l2(models: Sequence[nn.Module]) -> list[float]:
-    """L2 distance between every pair of models' parameters (METHOD §8: jumps when averaging breaks)."""
-    flat = [torch.cat([p.detach().float().reshape(-1).cpu() for p in m.parameters()]) for m in models]
-    return [float(torch.linalg.vector_norm(a - b)) for a, b in itertools.combinations(flat, 2)]
+    @property
+    def _collate(self):
+        return self.collate_fn or default_data_collator

@@ -100,6 +100,28 @@ def uniform_soup(
     return soup
 
 
+def greedy_select(
+    scores: Sequence[float], trial_metric: Callable[[list[int]], float], keep_ties: bool = False
+) -> tuple[list[int], float]:
+    """GreedySoup's selection (Wortsman et al. 2022): best-first, keep a candidate only if it helps.
+
+    Args:
+        scores: validation metric of each candidate (higher is better).
+        trial_metric: validation metric of the soup of the candidates at the given indices.
+        keep_ties: keep a candidate whose trial ties the current metric (``>=``, as the SMS code).
+
+    Returns:
+        ``(kept indices, metric of their soup)``; the metric is never below the best candidate's.
+    """
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    kept, best = [order[0]], scores[order[0]]
+    for i in order[1:]:
+        metric = float(trial_metric(kept + [i]))
+        if metric > best or (keep_ties and metric == best):
+            kept, best = kept + [i], metric
+    return kept, best
+
+
 @register_merge("greedy")
 def greedy_soup(
     models: Sequence[nn.Module],
@@ -109,39 +131,35 @@ def greedy_soup(
     keep_ties: bool = False,
     **_,
 ) -> nn.Module:
-    """GreedySoup (Wortsman et al. 2022): add candidates best-first while the validation metric improves.
+    """GreedySoup: add candidates best-first while the validation metric improves (METHOD §4).
 
     Args:
         models: replicas retrained under the same mask.
         evaluate: validation metric of a model, higher is better. Never pass test data.
-        recalibrate: called on every trial soup before ``evaluate`` (BatchNorm recalibration).
+        recalibrate: called on every trial soup (and candidate) before ``evaluate`` (BatchNorm).
         scores: the candidates' validation metrics if already known (else computed with ``evaluate``).
-        keep_ties: keep a candidate whose trial soup ties the current metric (``>=``, as the SMS code).
+        keep_ties: keep a candidate whose trial soup ties the current metric.
 
     Returns:
-        The soup, with ``soup.greedy_info = {"order", "kept", "scores", "metric"}`` attached. Its metric is
-        never below the best candidate's, since it starts from the best candidate.
+        The soup, with ``soup.greedy_info = {"order", "kept", "scores", "metric"}`` attached.
     """
     check_same_masks(models)
-    if scores is None:
-        scores = []
-        for m in models:
-            trial = copy.deepcopy(m)
-            if recalibrate is not None:
-                recalibrate(trial)
-            scores.append(float(evaluate(trial)))
-    order = sorted(range(len(models)), key=lambda i: -scores[i])
-    kept, best = [order[0]], scores[order[0]]
     state_dicts = [m.state_dict() for m in models]
-    for i in order[1:]:
-        trial = _soup_model(models[0], average_state_dicts([state_dicts[j] for j in kept + [i]]))
+
+    def soup_of(indices: list[int]) -> nn.Module:
+        return _soup_model(models[0], average_state_dicts([state_dicts[j] for j in indices]))
+
+    def metric(indices: list[int]) -> float:
+        trial = soup_of(indices)
         if recalibrate is not None:
             recalibrate(trial)
-        metric = float(evaluate(trial))
-        if metric > best or (keep_ties and metric == best):
-            kept, best = kept + [i], metric
-    soup = _soup_model(models[0], average_state_dicts([state_dicts[j] for j in kept]))
-    soup.greedy_info = {"order": order, "kept": kept, "scores": list(scores), "metric": best}
+        return float(evaluate(trial))
+
+    scores = list(scores) if scores is not None else [metric([i]) for i in range(len(models))]
+    kept, best = greedy_select(scores, metric, keep_ties)
+    soup = soup_of(kept)
+    soup.greedy_info = {"order": sorted(range(len(scores)), key=lambda i: -scores[i]), "kept": kept,
+                        "scores": scores, "metric": best}  # fmt: skip
     return soup
 
 

@@ -328,8 +328,18 @@ class PruningStep:
         return cls(masks, pruned_norm_fraction(model, masks), newly / alive if alive else 0.0)
 
 
-def prune(model: nn.Module, sparsity: float, allocation: str = "global", masks: Masks | None = None) -> PruningStep:
-    """Compute masks for ``sparsity``, measure the step for ALLR, and zero the pruned weights in place."""
-    step = PruningStep.measure(model, compute_masks(model, sparsity, allocation, masks))
+def prune(
+    model: nn.Module,
+    sparsity: float,
+    allocation: str = "global",
+    masks: Masks | None = None,
+    sync: Callable[[Masks], Masks] | None = None,
+) -> PruningStep:
+    """Compute masks for ``sparsity``, measure the step for ALLR, and zero the pruned weights in place.
+
+    ``sync`` replaces the computed masks before use, e.g. with rank 0's masks in a distributed run.
+    """
+    new = compute_masks(model, sparsity, allocation, masks)
+    step = PruningStep.measure(model, sync(new) if sync is not None else new)
     apply_masks(model, step.masks)
     return step

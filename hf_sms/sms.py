@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -19,8 +18,9 @@ from transformers import default_data_collator
 from .batchnorm import has_batchnorm, recalibrate_batchnorm
 from .config import SparseSoupConfig
 from .data import split_validation
-from .evaluation import MetricFn, pairwise_l2
-from .merge import greedy_soup, uniform_soup
+from .distributed import ReplicaWorld
+from .evaluation import MetricFn
+from .merge import check_same_masks, greedy_select
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
 from .results import save_results
 from .trainer import SparseSoupTrainer
@@ -31,8 +31,9 @@ _RUN_KEYS = (
     "target_sparsity n_phases allocation retrain_schedule pretrain_learning_rate pretrain_min_learning_rate "
     "pretrain_schedule pretrain_epochs num_replicas replica_seeds replica_weight_decays replica_learning_rates "
     "replica_epochs seed learning_rate weight_decay num_train_epochs max_steps per_device_train_batch_size "
-    "gradient_accumulation_steps optim max_grad_norm"
+    "gradient_accumulation_steps optim optim_args max_grad_norm"
 ).split()
+MODEL_FILE = "model.safetensors"
 
 
 def _fmt(value: float | None) -> str:
@@ -42,49 +43,53 @@ def _fmt(value: float | None) -> str:
 class SparseModelSoup:
     """Runs SMS and the baselines asked for in ``args.baselines`` from one pretrained model.
 
+    Under ``torchrun`` / ``accelerate launch`` the replicas of a phase train in parallel (see
+    :mod:`hf_sms.distributed`); on one process they train in turn. Both give the same soup.
+
     Args:
         model: the pretrained (dense or already sparse) model; it is copied, never modified.
         args: the run's :class:`SparseSoupConfig`.
         train_dataset: retraining data; ``args.validation_fraction`` of it is split off for validation
             (fixed seed) unless ``eval_dataset`` is given.
-        metric_fn: ``metric_fn(model, dataset) -> float``, higher is better (accuracy, BLEU, mIoU).
+        metric_fn: ``metric_fn(model, dataset) -> float``, higher is better (accuracy, BLEU, mIoU). If it
+            also has ``predict(model, dataset)`` and ``score(predictions, dataset)`` (as
+            :class:`hf_sms.evaluation.ClassificationAccuracy` does), the replicas' prediction ensemble is
+            reported too: it tells whether a soup can gain at all.
         test_dataset: reported only, never used for selection.
-        ensemble_fn: ``ensemble_fn(models, dataset) -> float``, the metric of the replicas' prediction
-            ensemble (tells whether a soup can gain at all); optional.
         data_collator, compute_loss_func, callbacks: passed to every replica's SparseSoupTrainer.
     """
 
     def __init__(self, model: nn.Module, args: SparseSoupConfig, train_dataset, metric_fn: MetricFn,
-                 eval_dataset=None, test_dataset=None, ensemble_fn: Callable | None = None, data_collator=None,
-                 compute_loss_func=None, callbacks=None):  # fmt: skip
+                 eval_dataset=None, test_dataset=None, data_collator=None, compute_loss_func=None,
+                 callbacks=None):  # fmt: skip
         if eval_dataset is None:
             train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction, args.seed)
         self.pretrained, self.args = model, args
         self.train_dataset, self.eval_dataset, self.test_dataset = train_dataset, eval_dataset, test_dataset
-        self.metric_fn, self.ensemble_fn = metric_fn, ensemble_fn
+        self.metric_fn = metric_fn
         self.trainer_kwargs = {"data_collator": data_collator, "callbacks": callbacks}
         if compute_loss_func is not None:
             self.trainer_kwargs["compute_loss_func"] = compute_loss_func
         self.collate = data_collator or default_data_collator
         self.results: dict = {"phases": phase_sparsities(args.target_sparsity, args.n_phases), "rows": {}, "sms": []}
+        self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
     def run(self) -> nn.Module:
         """Run SMS, then the baselines; returns the final soup. Results are in ``self.results``."""
-        self._check_output_dir()
         a = self.args
+        self._check_output_dir()
         model, masks = copy.deepcopy(self.pretrained), None
         for p, sparsity in enumerate(self.results["phases"]):
-            step = prune(model, sparsity, a.allocation, masks)  # Step 1: prune the soup to s_p
+            step = prune(model, sparsity, a.allocation, masks, sync=self.world.broadcast_masks)  # Step 1: prune
             masks = step.masks
-            candidates = [  # Step 2: retrain m copies with hyperparameters h_i (fully parallel)
-                self.recalibrate(
-                    self.train_replica(model, step, dataclasses.replace(a, **h), f"sms/phase{p}/replica{i}")
-                )
-                for i, h in enumerate(a.replica_overrides())
-            ]
-            val = [self.evaluate(c, self.eval_dataset) for c in candidates]
-            soups = self.merge(candidates, val)  # Step 3: average into one model with the same mask
+            hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides()]
+            candidates = {  # Step 2: retrain m copies with hyperparameters h_i, this process's share of them
+                i: self.recalibrate(self.train_replica(model, step, hparams[i], f"sms/phase{p + 1}/replica{i}"))
+                for i in self.world.owned(len(hparams))
+            }
+            val = self._gather_metric(candidates, self.eval_dataset)
+            soups = self.merge(model, candidates, val)  # Step 3: average into one model with the same mask
             model = soups[a.merge_method]
             self._record_sms(p, sparsity, candidates, val, soups)
         self.final_soup = model
@@ -97,55 +102,69 @@ class SparseModelSoup:
             self.run_imp("imp_mx", dataclasses.replace(a, **scale), n_tracks=1)
         if "imp" in a.baselines or "imp_reprune" in a.baselines:
             self.run_imp("imp", a, n_tracks=a.num_replicas if "imp_reprune" in a.baselines else 1)
-        save_results(self.results, os.path.join(a.output_dir, "results.json"))
+        self._save_results()
         return model
 
     def run_imp(self, name: str, args: SparseSoupConfig, n_tracks: int) -> None:
-        """IMP (m=1) trajectories in lockstep; with several tracks (seeds) also IMP-RePrune per phase."""
-        models, masks = [copy.deepcopy(self.pretrained) for _ in range(n_tracks)], [None] * n_tracks
+        """IMP (m=1) trajectories with seeds seed+i, in lockstep and parallel like replicas; with several
+        tracks also IMP-RePrune: their average, re-pruned to the phase's sparsity (their masks diverge)."""
+        tracks = {i: copy.deepcopy(self.pretrained) for i in self.world.owned(n_tracks)}
+        masks = dict.fromkeys(tracks)
         for p, sparsity in enumerate(self.results["phases"]):
-            for i in range(n_tracks):
-                step = prune(models[i], sparsity, args.allocation, masks[i])
+            for i in tracks:  # no mask broadcast: IMP runs are independent
+                step = prune(tracks[i], sparsity, args.allocation, masks[i])
                 masks[i] = step.masks
                 h = dataclasses.replace(args, seed=args.seed + i)
-                models[i] = self.recalibrate(self.train_replica(models[i], step, h, f"{name}/phase{p + 1}/track{i}"))
-            self._record(name, p, models[0])
+                tracks[i] = self.recalibrate(self.train_replica(tracks[i], step, h, f"{name}/phase{p + 1}/track{i}"))
+            self._record(name, p, self.world.gather({0: self._measure(tracks[0])} if 0 in tracks else {})[0])
             if n_tracks > 1:
-                self._record("imp_reprune", p, self.recalibrate(uniform_soup(models, reprune_sparsity=sparsity)))
+                template = next(iter(tracks.values()))
+                average = self.world.average(self._state_dicts(tracks), range(n_tracks), template.state_dict())
+                reprune = self._load(template, average)
+                prune(reprune, sparsity, args.allocation, sync=self.world.broadcast_masks)
+                self._record("imp_reprune", p, self._measure(self.recalibrate(reprune)))
 
     # -- units of work ---------------------------------------------------------------------------
     def train_replica(self, start: nn.Module, step: PruningStep, args: SparseSoupConfig, name: str) -> nn.Module:
         """Retrain a copy of ``start`` under ``step.masks``; a finished replica is loaded, not retrained."""
         out_dir = os.path.join(self.args.output_dir, name)
-        path = os.path.join(out_dir, "model.safetensors")
+        path = os.path.join(out_dir, MODEL_FILE)
         model = copy.deepcopy(start)
         if os.path.isfile(path):
             logger.info("[hf-sms] %s: finished earlier, loading %s", name, path)
             load_model(model, path)
             return model
-        logger.info("[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s)", name,
+        logger.info("[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s, rank %d/%d)", name,
                     1 - sum(int(m.sum()) for m in step.masks.values()) / sum(m.numel() for m in step.masks.values()),
-                    args.seed, args.learning_rate, args.weight_decay, args.num_train_epochs)  # fmt: skip
+                    args.seed, args.learning_rate, args.weight_decay, args.num_train_epochs, self.world.rank,
+                    self.world.size)  # fmt: skip
         args = dataclasses.replace(args, output_dir=out_dir)
-        trainer = SparseSoupTrainer(model, args, masks=step, train_dataset=self.train_dataset, **self.trainer_kwargs)
+        group = {"process_group": self.world.subgroup} if self.world.subgroup is not None else {}
+        trainer = SparseSoupTrainer(
+            model, args, masks=step, train_dataset=self.train_dataset, **group, **self.trainer_kwargs
+        )
         trainer.train()
-        os.makedirs(out_dir, exist_ok=True)
-        save_model(model, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a half-written replica is never taken as finished
+        if self.world.is_group_main:
+            os.makedirs(out_dir, exist_ok=True)
+            save_model(model, path + ".tmp")
+            os.replace(path + ".tmp", path)  # a half-written replica is never taken as finished
         return model
 
-    def merge(self, candidates: list[nn.Module], val: list[float]) -> dict[str, nn.Module]:
-        """Uniform and greedy soups of ``candidates`` (BatchNorm recalibrated; ``val``: their metrics)."""
-        if len(candidates) == 1:
-            return {"uniform": candidates[0], "greedy": candidates[0]}
-        greedy = greedy_soup(
-            candidates,
-            evaluate=lambda m: self.evaluate(m, self.eval_dataset),
-            recalibrate=self.recalibrate,
-            scores=val,
-            keep_ties=self.args.greedy_keep_ties,
+    def merge(self, template: nn.Module, candidates: dict[int, nn.Module], val: list[float]) -> dict[str, nn.Module]:
+        """Uniform and greedy soups of all m candidates, wherever they live, BatchNorm recalibrated."""
+        check_same_masks(list(candidates.values()))  # across processes the mask is the same by broadcast
+        local, ref = self._state_dicts(candidates), template.state_dict()
+
+        def soup(indices) -> nn.Module:
+            return self.recalibrate(self._load(template, self.world.average(local, list(indices), ref)))
+
+        uniform = soup(range(len(val)))
+        kept, _ = greedy_select(
+            val, lambda idx: self.evaluate(soup(idx), self.eval_dataset), self.args.greedy_keep_ties
         )
-        return {"uniform": self.recalibrate(uniform_soup(candidates)), "greedy": self.recalibrate(greedy)}
+        greedy = uniform if len(kept) == len(val) else soup(sorted(kept))
+        self._greedy_kept = kept
+        return {"uniform": uniform, "greedy": greedy}
 
     def recalibrate(self, model: nn.Module) -> nn.Module:
         if self.args.recalibrate_bn and has_batchnorm(model):
@@ -159,40 +178,62 @@ class SparseModelSoup:
         return None if dataset is None else float(self.metric_fn(model, dataset))
 
     # -- bookkeeping -----------------------------------------------------------------------------
-    def _record(self, method: str, phase: int, model: nn.Module, **extra) -> dict:
-        row = {
-            "phase": phase + 1,
+    @staticmethod
+    def _load(template: nn.Module, state_dict: dict) -> nn.Module:
+        model = copy.deepcopy(template)
+        model.load_state_dict(state_dict)
+        return model
+
+    @staticmethod
+    def _state_dicts(models: dict[int, nn.Module]) -> dict[int, dict]:
+        return {i: m.state_dict() for i, m in models.items()}
+
+    def _gather_metric(self, models: dict[int, nn.Module], dataset) -> list[float | None]:
+        scores = self.world.gather({i: self.evaluate(m, dataset) for i, m in models.items()})
+        return [scores[i] for i in range(len(scores))]
+
+    def _measure(self, model: nn.Module) -> dict:
+        return {
             "sparsity": sparsity_report(model)["sparsity"],
             "val": self.evaluate(model, self.eval_dataset),
             "test": self.evaluate(model, self.test_dataset),
-            **extra,
         }
-        self.results["rows"].setdefault(method, []).append(row)
-        logger.info("[hf-sms] phase %d %s: sparsity %.4f val %s test %s", phase + 1, method, row["sparsity"],
-                    _fmt(row["val"]), _fmt(row["test"]))  # fmt: skip
-        return row
 
-    def _record_sms(self, p: int, sparsity: float, cands: list[nn.Module], val: list[float], soups: dict) -> None:
-        test = [self.evaluate(c, self.test_dataset) for c in cands]
-        best = max(range(len(cands)), key=lambda i: val[i])  # chosen on validation, never on test
-        self._record("sms_uniform", p, soups["uniform"])
-        self._record("sms_greedy", p, soups["greedy"], kept=getattr(soups["greedy"], "greedy_info", {}).get("kept"))
-        self._record("best_candidate", p, cands[best], index=best)
+    def _record(self, method: str, phase: int, measured: dict, **extra) -> None:
+        row = {"phase": phase + 1, **measured, **extra}
+        self.results["rows"].setdefault(method, []).append(row)
+        if self.world.is_main:
+            logger.info("[hf-sms] phase %d %s: sparsity %.4f val %s test %s", phase + 1, method, row["sparsity"],
+                        _fmt(row["val"]), _fmt(row["test"]))  # fmt: skip
+
+    def _record_sms(self, p: int, sparsity: float, cands: dict[int, nn.Module], val: list, soups: dict) -> None:
+        test = self._gather_metric(cands, self.test_dataset)
+        best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
+        self._record("sms_uniform", p, self._measure(soups["uniform"]))
+        self._record("sms_greedy", p, self._measure(soups["greedy"]), kept=sorted(self._greedy_kept))
+        measured = {"sparsity": self.results["rows"]["sms_uniform"][-1]["sparsity"], "val": val[best]}
+        self._record("best_candidate", p, {**measured, "test": test[best]}, index=best)
         mean = {k: sum(v) / len(v) if None not in v else None for k, v in (("val", val), ("test", test))}
-        sparsity_now = self.results["rows"]["best_candidate"][-1]["sparsity"]
-        self.results["rows"].setdefault("mean_candidate", []).append({"phase": p + 1, "sparsity": sparsity_now, **mean})
+        self._record("mean_candidate", p, {**measured, **mean})
         diag = {"phase": p + 1, "target_sparsity": sparsity, "candidates_val": val, "candidates_test": test,
-                "pairwise_l2": pairwise_l2(cands), "continued_with": self.args.merge_method}  # fmt: skip
-        if self.ensemble_fn is not None:
-            diag["ensemble_val"] = float(self.ensemble_fn(cands, self.eval_dataset))
-            if self.test_dataset is not None:
-                diag["ensemble_test"] = float(self.ensemble_fn(cands, self.test_dataset))
+                "pairwise_l2": self.world.pairwise_l2(cands, len(val)),
+                "continued_with": self.args.merge_method}  # fmt: skip
+        if hasattr(self.metric_fn, "predict") and hasattr(self.metric_fn, "score"):
+            for split, dataset in (("val", self.eval_dataset), ("test", self.test_dataset)):
+                if dataset is not None:
+                    preds = {i: self.metric_fn.predict(c, dataset) for i, c in cands.items()}
+                    shape = next(iter(preds.values())).shape
+                    mean_preds = self.world.sum_tensors(preds, shape) / len(val)
+                    diag[f"ensemble_{split}"] = float(self.metric_fn.score(mean_preds, dataset))
         self.results["sms"].append(diag)
-        save_results(self.results, os.path.join(self.args.output_dir, "results.json"))
+        self._save_results()
+
+    def _save_results(self) -> None:
+        if self.world.is_main:
+            save_results(self.results, os.path.join(self.args.output_dir, "results.json"))
 
     def _check_output_dir(self) -> None:
         """Refuse to resume into a directory written by a different run configuration."""
-        os.makedirs(self.args.output_dir, exist_ok=True)
         fingerprint = {k: getattr(self.args, k) for k in _RUN_KEYS}
         fingerprint["hash"] = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         path = os.path.join(self.args.output_dir, "run.json")
@@ -208,12 +249,15 @@ class SparseModelSoup:
                     f"{self.args.output_dir} holds a run with a different configuration (changed: {changed}); "
                     "use a fresh --output_dir, or delete the old run to start over"
                 )
-        elif any(os.scandir(self.args.output_dir)):
+        elif os.path.isdir(self.args.output_dir) and any(os.scandir(self.args.output_dir)):
             raise ValueError(
                 f"{self.args.output_dir} is not empty and holds no hf-sms run.json; use a fresh --output_dir"
             )
-        else:
+        self.world.barrier()  # every rank has read the directory before the main process writes to it
+        if self.world.is_main and not os.path.isfile(path):
+            os.makedirs(self.args.output_dir, exist_ok=True)
             save_results(fingerprint, path)
+        self.world.barrier()
 
 
 def run_sms(model: nn.Module, args: SparseSoupConfig, train_dataset, metric_fn: MetricFn, **kwargs):

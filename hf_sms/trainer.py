@@ -61,11 +61,19 @@ class SparseSoupTrainer(Trainer):
         masks: the masks to train under, as a ``{name: bool tensor}`` dict or a :class:`PruningStep`
             (which also carries ALLR's norm drop). If ``None``, the model is magnitude-pruned to
             ``args.target_sparsity`` with ``args.allocation`` in one shot.
+        process_group: train data-parallel over this ``torch.distributed`` group only (one replica's group
+            of processes in a replica-parallel SMS run; see :mod:`hf_sms.distributed`). ``None``: the
+            usual accelerate behaviour.
         **kwargs: passed to ``Trainer``.
     """
 
     def __init__(
-        self, model=None, args: TrainingArguments | None = None, masks: Masks | PruningStep | None = None, **kwargs
+        self,
+        model=None,
+        args: TrainingArguments | None = None,
+        masks: Masks | PruningStep | None = None,
+        process_group=None,
+        **kwargs,
     ):
         if args is None:
             args = SparseSoupConfig(output_dir="tmp_trainer")
@@ -83,6 +91,7 @@ class SparseSoupTrainer(Trainer):
         else:
             step = PruningStep.measure(self.model, masks)
         self.pruning_step = step
+        self.process_group = process_group
         apply_masks(self.model, step.masks)
         self.enforcer = MaskEnforcer(self.model, step.masks)
         self.add_callback(_MaskCallback(self))
@@ -95,14 +104,36 @@ class SparseSoupTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients:  # last micro-batch: mask before clipping and the step
+            if self.process_group is not None:
+                self._average_gradients_in_group()
             self.enforcer.mask_gradients()
         return loss
+
+    @torch.no_grad()
+    def _average_gradients_in_group(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=self.process_group)
+        flat /= torch.distributed.get_world_size(self.process_group)
+        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+
+    def _get_train_sampler(self, train_dataset=None):
+        if self.process_group is None:
+            return super()._get_train_sampler(train_dataset)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return torch.utils.data.DistributedSampler(
+            dataset,
+            num_replicas=torch.distributed.get_world_size(self.process_group),
+            rank=torch.distributed.get_rank(self.process_group),
+            seed=self.args.seed,
+        )
 
     # -- retraining schedule ------------------------------------------------------------------------
     def _retrain_epochs(self, num_training_steps: int) -> float:
         args = self.args
         try:
-            per_epoch = math.ceil(len(self.train_dataset) / (args.train_batch_size * args.world_size))
+            world = torch.distributed.get_world_size(self.process_group) if self.process_group else args.world_size
+            per_epoch = math.ceil(len(self.train_dataset) / (args.train_batch_size * world))
         except TypeError:  # iterable dataset
             return float(args.num_train_epochs)
         return num_training_steps / max(math.ceil(per_epoch / args.gradient_accumulation_steps), 1)

@@ -10,7 +10,7 @@ from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
 from hf_sms import SparseModelSoup, SparseSoupConfig, phase_sparsities, run_sms, sparsity_report
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
-from hf_sms.evaluation import classification_metrics
+from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.pruning import masks_from_model
 
 
@@ -31,13 +31,11 @@ def digits():
 
 def test_run_sms_end_to_end_with_all_baselines(tmp_path, digits):
     train, val, test = digits
-    accuracy, ensemble = classification_metrics()
+    accuracy = ClassificationAccuracy()
     args = _args(tmp_path, baselines=["imp", "imp_mx", "imp_reprune"], retrain_schedule="allr", pretrain_epochs=10)
     pretrained = DigitsResNet(width=4)
     before = {k: v.clone() for k, v in pretrained.state_dict().items()}
-    soup, results = run_sms(
-        pretrained, args, train, accuracy, eval_dataset=val, test_dataset=test, ensemble_fn=ensemble
-    )
+    soup, results = run_sms(pretrained, args, train, accuracy, eval_dataset=val, test_dataset=test)
 
     assert all(torch.equal(before[k], v) for k, v in pretrained.state_dict().items()), "input model was modified"
     expected = {"sms_uniform", "sms_greedy", "best_candidate", "mean_candidate", "imp", "imp_mx", "imp_reprune"}
@@ -58,16 +56,16 @@ def test_run_sms_end_to_end_with_all_baselines(tmp_path, digits):
 
 def test_masks_only_grow_across_phases(tmp_path, digits):
     train, val, _ = digits
-    accuracy, _ = classification_metrics()
+    accuracy = ClassificationAccuracy()
     runner = SparseModelSoup(DigitsResNet(width=4), _args(tmp_path, n_phases=2), train, accuracy, eval_dataset=val)
     seen = []
     original = runner.merge
 
-    def spy(candidates, val_scores):
+    def spy(template, candidates, val_scores):
         seen.append(masks_from_model(candidates[0]))
-        for c in candidates[1:]:  # every replica of a phase shares the mask exactly
+        for c in candidates.values():  # every replica of a phase shares the mask exactly
             assert all(torch.equal(seen[-1][n], m) for n, m in masks_from_model(c).items())
-        return original(candidates, val_scores)
+        return original(template, candidates, val_scores)
 
     runner.merge = spy
     runner.run()
@@ -76,7 +74,7 @@ def test_masks_only_grow_across_phases(tmp_path, digits):
 
 def test_resume_does_not_retrain_finished_replicas(tmp_path, digits):
     train, val, test = digits
-    accuracy, _ = classification_metrics()
+    accuracy = ClassificationAccuracy()
     args = _args(tmp_path, baselines=["imp"])
     soup, results = run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val, test_dataset=test)
     with mock.patch("hf_sms.sms.SparseSoupTrainer.train", side_effect=AssertionError("retrained a finished replica")):
@@ -87,7 +85,7 @@ def test_resume_does_not_retrain_finished_replicas(tmp_path, digits):
 
 def test_foreign_or_changed_output_dir_is_refused(tmp_path, digits):
     train, val, _ = digits
-    accuracy, _ = classification_metrics()
+    accuracy = ClassificationAccuracy()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not empty and holds no hf-sms run.json"):
@@ -101,7 +99,7 @@ def test_foreign_or_changed_output_dir_is_refused(tmp_path, digits):
 
 def test_validation_is_split_off_train_with_a_fixed_seed(tmp_path, digits):
     train, _, _ = digits
-    accuracy, _ = classification_metrics()
+    accuracy = ClassificationAccuracy()
     a = SparseModelSoup(DigitsResNet(width=4), _args(tmp_path), train, accuracy)
     b = SparseModelSoup(DigitsResNet(width=4), _args(tmp_path), train, accuracy)
     assert len(a.eval_dataset) == round(0.1 * len(train))

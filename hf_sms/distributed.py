@@ -1,0 +1,190 @@
+"""Replica parallelism: the m replicas of a phase train at once on N processes (torchrun, accelerate launch).
+
+The paper's point is that the m retraining runs of a phase are independent. With N processes:
+
+- N <= m: process groups of one; group g trains replicas g, g + N, ... in turn;
+- N = k * m: m groups of k processes; each replica is data-parallel over its own group.
+
+Replicas never synchronise gradients with each other. Masks are computed once and broadcast from
+rank 0; soups are formed with collectives (all-reduce of a flat float64 buffer; gathered scores),
+so no shared filesystem is needed across nodes. A single process without a launcher is the
+world of size 1 that trains every replica in turn: the same code path, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .pruning import Masks
+
+StateDict = dict[str, torch.Tensor]
+# What launchers set; hidden from accelerate once replica groups exist, so that each replica's Trainer
+# runs as a single process (or data-parallel inside its own group) instead of over all N processes.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
+
+
+def launched_world_size() -> int:
+    return (
+        dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    )
+
+
+class ReplicaWorld:
+    """Who trains which replica, and the collectives that merge them.
+
+    Args:
+        num_replicas: m, the replicas of a phase.
+        cpu: use gloo on CPU tensors (else nccl on this process's GPU).
+    """
+
+    def __init__(self, num_replicas: int, cpu: bool = False):
+        self.size = launched_world_size()
+        self.rank, self.group_size, self.group_rank, self.subgroup = 0, 1, 0, None
+        self.device = torch.device("cpu")
+        if self.size == 1:
+            self.n_groups, self.group_index = 1, 0
+            return
+        if self.size > num_replicas and self.size % num_replicas:
+            raise ValueError(
+                f"{self.size} processes cannot share num_replicas={num_replicas} evenly: launch at most m processes "
+                f"(each trains several replicas in turn) or a multiple of m (each replica data-parallel over k)"
+            )
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        use_cuda = not cpu and torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        self.rank = dist.get_rank()
+        k = self.size // num_replicas if self.size > num_replicas else 1
+        self.group_size, self.n_groups = k, self.size // k
+        self.group_index, self.group_rank = divmod(self.rank, k)
+        if k > 1:  # every rank must create every group, in the same order
+            groups = [dist.new_group(list(range(g * k, (g + 1) * k))) for g in range(self.n_groups)]
+            self.subgroup = groups[self.group_index]
+        self._hide_launcher_env(use_cuda, local_rank)
+
+    @staticmethod
+    def _hide_launcher_env(use_cuda: bool, local_rank: int) -> None:
+        from accelerate.state import AcceleratorState, GradientState
+
+        for key in _LAUNCHER_ENV:
+            os.environ.pop(key, None)
+        if use_cuda:
+            os.environ["ACCELERATE_TORCH_DEVICE"] = f"cuda:{local_rank}"
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    # -- who does what -----------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """The one process that writes run-level files (results.json, run.json, the final soup)."""
+        return self.rank == 0
+
+    @property
+    def is_group_main(self) -> bool:
+        """The process that writes its group's replica checkpoints and contributes them to merges."""
+        return self.group_rank == 0
+
+    def owned(self, n: int) -> list[int]:
+        """Indices of the ``n`` replicas this process's group trains."""
+        return [i for i in range(n) if i % self.n_groups == self.group_index]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    # -- collectives -------------------------------------------------------------------------------
+    def broadcast_masks(self, masks: Masks) -> Masks:
+        """Rank 0's masks on every rank (masks must never differ across ranks, whatever the seeds)."""
+        if self.size == 1:
+            return masks
+        out = {}
+        for name, mask in masks.items():
+            t = mask.to(self.device, torch.uint8).contiguous()
+            dist.broadcast(t, src=0)
+            out[name] = t.to(mask.device).bool()
+        return out
+
+    def gather(self, local: dict[int, object]) -> dict[int, object]:
+        """Union of every group's ``{replica index: value}`` (group mains contribute)."""
+        if self.size == 1:
+            return dict(local)
+        parts: list = [None] * self.size
+        dist.all_gather_object(parts, local if self.is_group_main else {})
+        return {i: v for part in parts for i, v in part.items()}
+
+    @torch.no_grad()
+    def average(self, local: dict[int, StateDict], indices: Sequence[int], template: StateDict) -> StateDict:
+        """Mean over ``indices`` of the replicas' state dicts, whichever process holds them.
+
+        Floating-point tensors are summed in float64 and divided by ``len(indices)``; integer buffers
+        come from replica ``indices[0]``. One all-reduce per dtype class, on a flat buffer.
+        """
+        floats = [k for k, v in template.items() if v.is_floating_point()]
+        ints = [k for k, v in template.items() if not v.is_floating_point()]
+        mine = [i for i in indices if i in local] if self.is_group_main else []
+        flat = torch.zeros(sum(template[k].numel() for k in floats), dtype=torch.float64, device=self.device)
+        for i in mine:
+            flat += torch.cat([local[i][k].reshape(-1).to(self.device, torch.float64) for k in floats])
+        ints_flat = torch.zeros(sum(template[k].numel() for k in ints), dtype=torch.int64, device=self.device)
+        if indices[0] in mine and ints:
+            ints_flat += torch.cat([local[indices[0]][k].reshape(-1).to(self.device, torch.int64) for k in ints])
+        if self.size > 1:
+            dist.all_reduce(flat)
+            if ints:
+                dist.all_reduce(ints_flat)
+        flat /= len(indices)
+        out, offset = {}, 0
+        for k in floats:
+            n = template[k].numel()
+            out[k] = flat[offset : offset + n].view(template[k].shape).to(template[k].device, template[k].dtype)
+            offset += n
+        offset = 0
+        for k in ints:
+            n = template[k].numel()
+            out[k] = ints_flat[offset : offset + n].view(template[k].shape).to(template[k].device, template[k].dtype)
+            offset += n
+        return {k: out[k] for k in template}
+
+    @torch.no_grad()
+    def sum_tensors(self, local: dict[int, torch.Tensor], shape, dtype=torch.float64) -> torch.Tensor:
+        """Sum of per-replica tensors (e.g. predicted probabilities for the ensemble) across processes."""
+        total = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.is_group_main:
+            for t in local.values():
+                total += t.to(self.device, dtype)
+        if self.size > 1:
+            dist.all_reduce(total)
+        return total.cpu()
+
+    @torch.no_grad()
+    def pairwise_l2(self, local: dict[int, torch.nn.Module], n: int) -> list[float]:
+        """L2 distance between every pair of the ``n`` replicas' parameters, in (i, j), i < j order."""
+        flats = {i: torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]) for i, m in local.items()}
+        numel = next(iter(flats.values())).numel()  # every group holds at least one replica
+        dists = {}
+        for j in range(n):  # the owner of j shares it; every group measures its own replicas against it
+            ref = self._from_owner(flats.get(j), j, numel)
+            dists.update(
+                {(i, j): float(torch.linalg.vector_norm(flats[i] - ref.to(flats[i].device))) for i in flats if i < j}
+            )
+        dists = self.gather(dists)
+        return [dists[(i, j)] for i in range(n) for j in range(i + 1, n)]
+
+    def _from_owner(self, tensor: torch.Tensor | None, replica: int, numel: int) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        owner = (replica % self.n_groups) * self.group_size  # the owner group's main rank
+        buf = (
+            tensor.to(self.device)
+            if self.rank == owner
+            else torch.empty(numel, dtype=torch.float64, device=self.device)
+        )
+        dist.broadcast(buf, src=owner)
+        return buf
