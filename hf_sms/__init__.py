@@ -15,6 +15,7 @@ from .pruning import (
 )
 from .schedules import RETRAIN_SCHEDULES
 from .sms import SparseModelSoup, run_sms
+from .sparse_format import load_sparse, save_sparse
 from .trainer import SparseSoupTrainer
 
 __version__ = "0.1.0"
@@ -29,11 +30,13 @@ __all__ = [
     "apply_masks",
     "compute_masks",
     "greedy_soup",
+    "load_sparse",
     "phase_sparsities",
     "prunable_tensors",
     "prune",
     "recalibrate_batchnorm",
     "run_sms",
+    "save_sparse",
     "sparsity_report",
     "uniform_soup",
 ]
