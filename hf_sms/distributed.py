@@ -13,6 +13,7 @@ world of size 1 that trains every replica in turn: the same code path, no torch.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -73,6 +74,10 @@ class ReplicaWorld:
     def _hide_launcher_env(use_cuda: bool, local_rank: int) -> None:
         from accelerate.state import AcceleratorState, GradientState
 
+        # transformers warns that the process group is not used for DDP: here that is the point.
+        logging.getLogger("transformers.training_args").addFilter(
+            lambda record: "parallel_mode != ParallelMode.DISTRIBUTED" not in record.getMessage()
+        )
         for key in _LAUNCHER_ENV:
             os.environ.pop(key, None)
         if use_cuda:

@@ -7,6 +7,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
@@ -28,16 +29,31 @@ def cross_entropy_loss(outputs, labels, num_items_in_batch=None):
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
 
 
-def save_masks(masks: Masks, directory: str) -> None:
+def save_masks(masks: Masks, directory: str, step: PruningStep | None = None) -> None:
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, MASKS_NAME + ".tmp")
-    save_file({n: m.detach().cpu().contiguous() for n, m in masks.items()}, tmp, metadata={"format": "pt"})
+    metadata = {"format": "pt"}
+    if step is not None:  # ALLR's start rate depends on them, so a resumed run needs them back
+        metadata.update(norm_fraction=repr(step.norm_fraction), phase_fraction=repr(step.phase_fraction))
+    save_file({n: m.detach().cpu().contiguous() for n, m in masks.items()}, tmp, metadata=metadata)
     os.replace(tmp, os.path.join(directory, MASKS_NAME))
 
 
 def load_masks(directory: str) -> Masks | None:
     path = os.path.join(directory, MASKS_NAME)
     return load_file(path) if os.path.isfile(path) else None
+
+
+def load_pruning_step(directory: str, fallback: PruningStep) -> PruningStep | None:
+    """The masks saved in ``directory`` with the step's ``d`` and ``q`` (``fallback``'s where not recorded)."""
+    masks = load_masks(directory)
+    if masks is None:
+        return None
+    with safe_open(os.path.join(directory, MASKS_NAME), "pt") as f:
+        meta = f.metadata() or {}
+    if "norm_fraction" not in meta:
+        return PruningStep(masks, fallback.norm_fraction, fallback.phase_fraction)
+    return PruningStep(masks, float(meta["norm_fraction"]), float(meta["phase_fraction"]))
 
 
 class _MaskCallback(TrainerCallback):
@@ -115,7 +131,7 @@ class SparseSoupTrainer(Trainer):
         flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat, group=self.process_group)
         flat /= torch.distributed.get_world_size(self.process_group)
-        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+        torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def _get_train_sampler(self, train_dataset=None):
         if self.process_group is None:
@@ -160,19 +176,19 @@ class SparseSoupTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
-            save_masks(self.masks, output_dir or self.args.output_dir)
+            save_masks(self.masks, output_dir or self.args.output_dir, self.pruning_step)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str):
-            masks = load_masks(resume_from_checkpoint)
-            if masks is None:
+            saved = load_pruning_step(resume_from_checkpoint, fallback=self.pruning_step)
+            if saved is None:
                 raise ValueError(
                     f"{resume_from_checkpoint} holds no {MASKS_NAME}: it was not saved by SparseSoupTrainer"
                 )
-            self.pruning_step = PruningStep(masks, self.pruning_step.norm_fraction, self.pruning_step.phase_fraction)
-            self.enforcer = MaskEnforcer(self.model, masks)
+            self.pruning_step = saved
+            self.enforcer = MaskEnforcer(self.model, saved.masks)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def recalibrate_batchnorm(self, dataset=None, max_batches: int | None = None):

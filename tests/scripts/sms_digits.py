@@ -1,0 +1,43 @@
+"""A tiny SMS run on digits, launched by the parallel tests: ``python sms_digits.py OUT [--replicas M]``.
+
+Run it with ``torchrun --nproc_per_node N`` or plainly; the main process writes OUT/soup.safetensors.
+"""
+
+import argparse
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from hf_sms import SparseSoupConfig, run_sms
+from hf_sms.data import TensorDictDataset, load_digits_splits
+from hf_sms.demo import DigitsResNet
+from hf_sms.evaluation import ClassificationAccuracy
+
+parser = argparse.ArgumentParser()
+parser.add_argument("output_dir")
+parser.add_argument("--replicas", type=int, default=2)
+parser.add_argument("--phases", type=int, default=2)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--baselines", nargs="*", default=[])
+cli = parser.parse_args()
+
+torch.set_num_threads(1)
+train, val, test = load_digits_splits(seed=0)
+train = TensorDictDataset(train.x[:256], train.labels[:256], train.augment)
+torch.manual_seed(0)
+model = DigitsResNet(width=4)
+args = SparseSoupConfig(
+    output_dir=cli.output_dir, target_sparsity=0.8, n_phases=cli.phases, num_replicas=cli.replicas,
+    max_steps=cli.steps, per_device_train_batch_size=32, learning_rate=0.05, optim="sgd", use_cpu=True,
+    disable_tqdm=True, seed=0, baselines=cli.baselines, merge_method="greedy",
+)  # fmt: skip
+soup, results = run_sms(model, args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
+if (
+    int(os.environ.get("HF_SMS_TEST_RANK", "0")) == 0
+    and torch.distributed.is_initialized() is False
+    or (torch.distributed.is_initialized() and torch.distributed.get_rank() == 0)
+):
+    save_file(
+        {k: v.contiguous() for k, v in soup.state_dict().items()}, os.path.join(cli.output_dir, "soup.safetensors")
+    )
