@@ -124,26 +124,28 @@ def out_dir(tmp_path):
     return str(tmp_path / "out")
 
 
-@pytest.fixture
-def make_args(out_dir):
-    """``make_args(**overrides)``: TrainingArguments for fast, quiet, offline CPU tests."""
+def training_args(output_dir: str, cls=None, **overrides):
+    """TrainingArguments (or ``cls``, e.g. SparseSoupConfig) for fast, quiet, offline CPU tests."""
     from transformers import TrainingArguments
 
-    def make(cls=TrainingArguments, **overrides):
-        kwargs = dict(
-            output_dir=out_dir,
-            report_to="none",
-            use_cpu=True,
-            disable_tqdm=True,
-            save_strategy="no",
-            per_device_train_batch_size=8,
-            max_steps=10,
-            learning_rate=1e-2,
-            logging_steps=1,
-            seed=0,
-            dataloader_num_workers=0,
-        )
-        kwargs.update(overrides)
-        return cls(**kwargs)
+    kwargs = dict(
+        output_dir=output_dir,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        max_steps=10,
+        learning_rate=1e-2,
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return (cls or TrainingArguments)(**kwargs)
 
-    return make
+
+@pytest.fixture
+def make_args(out_dir):
+    """``make_args(cls=None, **overrides)``: :func:`training_args` writing to the test's temp dir."""
+    return lambda cls=None, **overrides: training_args(out_dir, cls, **overrides)
