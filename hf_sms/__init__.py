@@ -2,6 +2,7 @@
 
 from .batchnorm import recalibrate_batchnorm
 from .config import SparseSoupConfig
+from .hub import push_to_hub
 from .merge import MERGE_METHODS, greedy_soup, uniform_soup
 from .pruning import (
     ALLOCATIONS,
@@ -34,6 +35,7 @@ __all__ = [
     "phase_sparsities",
     "prunable_tensors",
     "prune",
+    "push_to_hub",
     "recalibrate_batchnorm",
     "run_sms",
     "save_sparse",
