@@ -1,0 +1,91 @@
+"""Replica parallelism on 2 CPU processes (torchrun, gloo): same soup as one process, shared masks, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _cmd(nproc: int, script: str, *args) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return (launcher if nproc > 1 else [sys.executable]) + [str(SCRIPTS / script), *map(str, args)]
+
+
+def _run(cmd, timeout=300) -> str:
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def _soup(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "soup.safetensors")
+
+
+def _max_diff(a, b) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seq") / "run"
+    _run(_cmd(1, "sms_digits.py", out, "--baselines", "imp", "imp_reprune"))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["replicas", "group"])
+def test_world_collectives_on_two_processes(mode, tmp_path):
+    out = _run(_cmd(2, "world_checks.py", mode, tmp_path))
+    assert out.count("OK") == 2
+
+
+def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
+    out = tmp_path / "run"
+    _run(_cmd(2, "sms_digits.py", out, "--baselines", "imp", "imp_reprune"))
+    assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
+    par, seq = (json.loads((d / "results.json").read_text()) for d in (out, sequential))
+    assert par["rows"] == seq["rows"]
+    for p, s in zip(par["sms"], seq["sms"]):
+        assert p["candidates_val"] == s["candidates_val"] and p["ensemble_test"] == s["ensemble_test"]
+        assert p["pairwise_l2"] == pytest.approx(s["pairwise_l2"], rel=1e-9)
+        assert p["pairwise_l2"][0] > 0  # the replicas really differ before the merge
+
+
+def _kill_when(cmd, marker: Path, timeout=240) -> None:
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + timeout
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker, mid-run
+    proc.wait()
+    assert marker.exists(), "the run ended or timed out before the kill point"
+    assert not (marker.parent.parent.parent.parent / "soup.safetensors").exists(), "killed too late"
+
+
+@pytest.mark.parametrize(
+    ("nproc", "marker"),
+    [
+        (2, "sms/phase1/replica0/model.safetensors"),
+        pytest.param(1, "sms/phase2/replica0/model.safetensors", marks=pytest.mark.slow),
+    ],
+)
+def test_killed_run_resumes_to_the_same_soup(sequential, tmp_path, nproc, marker):
+    out = tmp_path / "run"
+    cmd = _cmd(nproc, "sms_digits.py", out, "--baselines", "imp", "imp_reprune")
+    _kill_when(cmd, out / marker)
+    finished = sorted(p.relative_to(out) for p in out.rglob("model.safetensors"))
+    mtimes = {p: (out / p).stat().st_mtime_ns for p in finished}
+    _run(cmd)
+    assert all((out / p).stat().st_mtime_ns == t for p, t in mtimes.items()), "a finished replica was retrained"
+    assert not list(out.rglob("*.tmp")), "a temporary file was left behind"
+    assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
