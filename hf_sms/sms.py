@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -81,6 +82,7 @@ class SparseModelSoup:
         self._check_output_dir()
         model, masks = copy.deepcopy(self.pretrained), None
         for p, sparsity in enumerate(self.results["phases"]):
+            self._phase_start = time.perf_counter()
             step = prune(model, sparsity, a.allocation, masks, sync=self.world.broadcast_masks)  # Step 1: prune
             masks = step.masks
             hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides()]
@@ -217,7 +219,8 @@ class SparseModelSoup:
         self._record("mean_candidate", p, {**measured, **mean})
         diag = {"phase": p + 1, "target_sparsity": sparsity, "candidates_val": val, "candidates_test": test,
                 "pairwise_l2": self.world.pairwise_l2(cands, len(val)),
-                "continued_with": self.args.merge_method}  # fmt: skip
+                "continued_with": self.args.merge_method,
+                "seconds": round(time.perf_counter() - self._phase_start, 3)}  # fmt: skip
         if hasattr(self.metric_fn, "predict") and hasattr(self.metric_fn, "score"):
             for split, dataset in (("val", self.eval_dataset), ("test", self.test_dataset)):
                 if dataset is not None:
