@@ -116,9 +116,9 @@ def model_card(
     body = [
         f"# {repo}",
         "",
-        "A sparse model soup made with [hf-sms](https://github.com/ZIB-IOL/SMS): Sparse Model Soups "
-        "(Zimmer, Spiegel, Pokutta; ICLR 2024) prune a model, retrain several copies under the same mask, "
-        "and average them into one sparse model.",
+        "A sparse model soup made with hf-sms, an implementation of Sparse Model Soups (Zimmer, Spiegel, "
+        "Pokutta; ICLR 2024, [arXiv:2306.16788](https://arxiv.org/abs/2306.16788)): prune a model, retrain "
+        "several copies under the same mask, and average them into one sparse model.",
         "",
         "## Sparsity",
         "",

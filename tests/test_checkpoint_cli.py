@@ -1,0 +1,145 @@
+"""``hf-sms merge`` equals the in-memory uniform soup and refuses bad inputs; ``hf-sms inspect`` reports."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from conftest import make_resnet, make_t5
+
+from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
+from hf_sms.checkpoint_cli import merge_checkpoints
+from hf_sms.cli import main
+from hf_sms.merge import uniform_soup
+
+
+def _replicas(make, m=3, sparsity=0.8, seed=0):
+    base = make()
+    masks = compute_masks(base, sparsity, "uniform")
+    apply_masks(base, masks)
+    torch.manual_seed(seed)
+    out = []
+    for _ in range(m):
+        r = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in r.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+            for b in r.buffers():
+                if b.is_floating_point():
+                    b.add_(torch.rand_like(b))  # BatchNorm statistics differ between replicas
+        out.append(apply_masks(r, masks))
+    return out
+
+
+def _save_all(models, root, formats):
+    return [
+        save_sparse(m, str(root / f"r{i}"), fmt, recipe={"varied": "seed"})
+        for i, (m, fmt) in enumerate(zip(models, formats))
+    ]
+
+
+def _assert_equal(soup, loaded):
+    a, b = soup.state_dict(), loaded.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("out_format", ["bitmask", "dense"])
+@pytest.mark.parametrize("make", [make_resnet, make_t5], ids=["resnet", "t5"])
+def test_merge_equals_the_in_memory_uniform_soup(tmp_path, make, out_format):
+    models = _replicas(make)
+    dirs = _save_all(models, tmp_path, ["bitmask", "dense", "bitmask"])  # mixed input formats
+    out = str(tmp_path / "soup")
+    assert main(["merge", *dirs, "--method", "uniform", "--output", out, "--format", out_format]) == 0
+    merged = load_sparse(out)
+    _assert_equal(uniform_soup(models), merged)
+    info = json.loads(open(os.path.join(out, "sparsity.json")).read())
+    assert info["format"] == out_format and info["recipe"]["m"] == 3 and info["recipe"]["merge_method"] == "uniform"
+    assert info["recipe"]["varied"] == "seed"  # input 0's recipe is kept
+    assert info["mask_hash"] == json.loads(open(os.path.join(dirs[0], "sparsity.json")).read())["mask_hash"]
+
+
+def test_merge_of_bitmask_inputs_keeps_the_index_and_loads_with_the_plain_loader(tmp_path):
+    import timm
+
+    models = _replicas(make_resnet)
+    dirs = _save_all(models, tmp_path, ["bitmask"] * 3)
+    out = str(tmp_path / "soup")
+    merge_checkpoints(dirs, out, format="dense")
+    _assert_equal(uniform_soup(models), timm.create_model(f"local-dir:{out}", pretrained=True))
+
+
+def test_merge_refuses_different_masks_before_writing(tmp_path, capsys):
+    models = _replicas(make_resnet)
+    with torch.no_grad():
+        w = models[2].fc.weight
+        w.view(-1)[(w.view(-1) == 0).nonzero()[0]] = 1.0  # one pruned weight revived
+    dirs = _save_all(models, tmp_path, ["bitmask", "bitmask", "dense"])
+    out = tmp_path / "soup"
+    assert main(["merge", *dirs, "--output", str(out)]) == 2
+    assert "different masks" in capsys.readouterr().err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".hf_sms-")]
+    # a lying sparsity.json does not help: the data are checked as they are merged
+    info = json.loads((tmp_path / "r2" / "sparsity.json").read_text())
+    info["per_tensor"]["fc.weight"]["mask_hash"] = json.loads((tmp_path / "r0" / "sparsity.json").read_text())[
+        "per_tensor"
+    ]["fc.weight"]["mask_hash"]
+    (tmp_path / "r2" / "sparsity.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="different masks"):
+        merge_checkpoints(dirs, str(out))
+    assert not out.exists()
+
+
+def test_merge_refuses_different_architectures(tmp_path, capsys):
+    import timm
+
+    a = _replicas(make_resnet, m=1)[0]
+    b = timm.create_model("resnet18", pretrained=False, num_classes=4, layers=(1, 1, 1, 1), channels=(8, 16, 16, 32))
+    c = make_t5()
+    d = [save_sparse(x, str(tmp_path / n)) for x, n in ((a, "a"), (b, "b"), (c, "c"))]
+    assert main(["merge", d[0], d[1], "--output", str(tmp_path / "o")]) == 2
+    assert "differ in" in capsys.readouterr().err
+    assert main(["merge", d[0], d[2], "--output", str(tmp_path / "o")]) == 2
+    assert "different architectures" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_merge_output_rules(tmp_path, capsys):
+    dirs = _save_all(_replicas(make_resnet, m=2), tmp_path, ["bitmask"] * 2)
+    out = tmp_path / "soup"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    assert main(["merge", *dirs, "--output", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and (out / "old.txt").exists()
+    assert main(["merge", *dirs, "--output", str(out), "--overwrite"]) == 0
+    assert not (out / "old.txt").exists() and (out / "sparsity.json").exists()
+    with pytest.raises(ValueError, match="greedy_soup"):
+        merge_checkpoints(dirs, str(tmp_path / "g"), method="greedy")
+    with pytest.raises(SystemExit):
+        main(["merge", *dirs, "--output", str(tmp_path / "g"), "--method", "greedy"])
+    assert main(["merge", dirs[0], str(tmp_path / "nothing"), "--output", str(tmp_path / "x")]) == 2
+
+
+def test_inspect_text_and_json(tmp_path, capsys):
+    model = _replicas(make_t5, m=1)[0]
+    d = save_sparse(model, str(tmp_path / "t5"), recipe={"m": 3}, metrics={"bleu": 2.0})
+    assert main(["inspect", d, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "bitmask" and report["library"] == "transformers"
+    assert report["sparsity"] == pytest.approx(0.8, abs=0.01) and report["recipe"] == {"m": 3}
+    assert report["metrics"] == {"bleu": 2.0} and report["weights_bytes"] < report["dense_weights_bytes"]
+    assert report["size_on_disk"] >= report["weights_bytes"]
+    assert "shared.weight" in report["per_tensor"]
+    assert main(["inspect", d]) == 0
+    text = capsys.readouterr().out
+    assert "format:       bitmask" in text and "shared.weight" in text and "80." in text
+    # a plain transformers folder without sparsity.json is measured
+    plain = str(tmp_path / "plain")
+    model.save_pretrained(plain)
+    assert main(["inspect", plain, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sparsity"] == pytest.approx(report["sparsity"])
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
