@@ -86,17 +86,12 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
         baselines=["imp", "imp_mx"], merge_method="uniform",
     )  # fmt: skip
     runner = SparseModelSoup(model, args, train, accuracy, eval_dataset=val, test_dataset=test)
-    soup = runner.run()
+    runner.run()
     results = {**runner.results, "dense": dense, "seconds": round(time.time() - t0, 1), "quick": quick}
     save_results(results, os.path.join(output_dir, "results.json"))
     plot_results([results], os.path.join(output_dir, "results.png"))
-    soup_dir = os.path.join(output_dir, "final_soup")
-    os.makedirs(soup_dir, exist_ok=True)
-    from safetensors.torch import save_model
-
-    save_model(soup, os.path.join(soup_dir, "model.safetensors"))
     print("\nTest accuracy (%) after each phase:\n" + format_table([results], "test"))
-    print(f"\n[hf-sms] wrote {output_dir}/results.json, results.png, final_soup/ in {results['seconds']:.0f} s")
+    print(f"\n[hf-sms] wrote {output_dir}/results.json, results.png, sms/final_soup/ in {results['seconds']:.0f} s")
     return results
 
 

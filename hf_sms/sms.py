@@ -24,6 +24,7 @@ from .evaluation import MetricFn
 from .merge import check_same_masks, greedy_select
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
 from .results import save_results
+from .sparse_format import save_sparse
 from .trainer import SparseSoupTrainer
 
 logger = logging.getLogger("hf_sms")
@@ -105,7 +106,22 @@ class SparseModelSoup:
         if "imp" in a.baselines or "imp_reprune" in a.baselines:
             self.run_imp("imp", a, n_tracks=a.num_replicas if "imp_reprune" in a.baselines else 1)
         self._save_results()
+        if self.world.is_main:
+            save_sparse(
+                model, os.path.join(a.output_dir, "final_soup"), recipe=self.recipe(), metrics=self.final_metrics()
+            )
         return model
+
+    def recipe(self) -> dict:
+        """What made the soup, for ``sparsity.json`` and the model card."""
+        a = self.args
+        return {"phases": self.results["phases"], "m": a.num_replicas, "replicas": a.replica_overrides(),
+                "merge_method": a.merge_method, "retrain_schedule": a.retrain_schedule, "allocation": a.allocation,
+                "num_train_epochs": a.num_train_epochs, "max_steps": a.max_steps}  # fmt: skip
+
+    def final_metrics(self) -> dict:
+        row = self.results["rows"][f"sms_{self.args.merge_method}"][-1]
+        return {k: row[k] for k in ("val", "test") if row.get(k) is not None}
 
     def run_imp(self, name: str, args: SparseSoupConfig, n_tracks: int) -> None:
         """IMP (m=1) trajectories with seeds seed+i, in lockstep and parallel like replicas; with several
@@ -140,7 +156,7 @@ class SparseModelSoup:
                     1 - sum(int(m.sum()) for m in step.masks.values()) / sum(m.numel() for m in step.masks.values()),
                     args.seed, args.learning_rate, args.weight_decay, args.num_train_epochs, self.world.rank,
                     self.world.size)  # fmt: skip
-        args = dataclasses.replace(args, output_dir=out_dir)
+        args = dataclasses.replace(args, output_dir=out_dir, push_to_hub=False)  # only the final soup is pushed
         group = {"process_group": self.world.subgroup} if self.world.subgroup is not None else {}
         trainer = SparseSoupTrainer(
             model, args, masks=step, train_dataset=self.train_dataset, **group, **self.trainer_kwargs
