@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
+from transformers.trainer_utils import SaveStrategy
 
 from .pruning import ALLOCATIONS, phase_sparsities
 from .schedules import PRETRAIN_SHAPES, RETRAIN_SCHEDULES
@@ -26,8 +27,8 @@ class SparseSoupConfig(TrainingArguments):
         num_replicas, replica_seeds, replica_weight_decays, replica_learning_rates, replica_epochs,
         merge_method, greedy_keep_ties, recalibrate_bn, validation_fraction, baselines.
 
-    Defaults changed from TrainingArguments: ``report_to="none"``, ``save_strategy="no"`` (the SMS loop
-    checkpoints replicas itself), ``logging_steps=50``.
+    Defaults changed from TrainingArguments: ``save_strategy="no"`` (the SMS loop checkpoints finished
+    replicas itself), ``logging_steps=50``.
     """
 
     # Pruning
@@ -89,8 +90,9 @@ class SparseSoupConfig(TrainingArguments):
     )
 
     # Changed TrainingArguments defaults.
-    report_to: str | list[str] | None = field(default="none", metadata={"help": "Integrations to report to."})
-    save_strategy: str = field(default="no", metadata={"help": "Checkpoint strategy inside one replica's training."})
+    save_strategy: SaveStrategy | str = field(
+        default="no", metadata={"help": "Checkpoint strategy inside one replica's training."}
+    )
     logging_steps: float = field(default=50, metadata={"help": "Log every X updates steps."})
 
     def __post_init__(self):

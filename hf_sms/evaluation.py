@@ -59,3 +59,61 @@ class ClassificationAccuracy:
     @property
     def _collate(self):
         return self.collate_fn or default_data_collator
+
+
+class BleuMetric:
+    """Corpus BLEU (sacrebleu) of greedy or beam-search generations against ``labels`` (seq2seq models)."""
+
+    def __init__(self, tokenizer, max_new_tokens: int = 128, num_beams: int = 1, batch_size: int = 64,
+                 collate_fn=None):  # fmt: skip
+        self.tokenizer, self.max_new_tokens, self.num_beams = tokenizer, max_new_tokens, num_beams
+        self.batch_size, self.collate_fn = batch_size, collate_fn or default_data_collator
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, dataset) -> float:
+        import sacrebleu
+
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        hyps, refs = [], []
+        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn):
+            out = model.generate(
+                input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                max_new_tokens=self.max_new_tokens, num_beams=self.num_beams,
+            )  # fmt: skip
+            labels = batch["labels"].masked_fill(batch["labels"] == -100, self.tokenizer.pad_token_id)
+            hyps += self.tokenizer.batch_decode(out, skip_special_tokens=True)
+            refs += self.tokenizer.batch_decode(labels, skip_special_tokens=True)
+        model.train(was_training)
+        return float(sacrebleu.corpus_bleu([h.strip() for h in hyps], [[r.strip() for r in refs]]).score)
+
+
+class MeanIoU:
+    """Mean intersection over union in % for segmentation logits ``(N, C, H, W)`` vs ``labels`` ``(N, H, W)``.
+
+    Pixels labelled ``ignore_index`` are skipped; classes absent from both prediction and labels are
+    left out of the mean.
+    """
+
+    def __init__(self, num_classes: int, batch_size: int = 16, ignore_index: int = -100, collate_fn=None):
+        self.num_classes, self.batch_size, self.ignore_index = num_classes, batch_size, ignore_index
+        self.collate_fn = collate_fn or default_data_collator
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, dataset) -> float:
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.long)
+        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn):
+            pred = _logits(forward_batch(model, batch, device)).argmax(1).cpu()
+            labels = batch["labels"]
+            keep = labels != self.ignore_index
+            idx = labels[keep] * self.num_classes + pred[keep]
+            confusion += torch.bincount(idx, minlength=self.num_classes**2).view(self.num_classes, -1)
+        model.train(was_training)
+        inter = confusion.diag().double()
+        union = confusion.sum(0).double() + confusion.sum(1).double() - inter
+        present = union > 0
+        return 100.0 * float((inter[present] / union[present]).mean()) if present.any() else 0.0

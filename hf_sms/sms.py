@@ -59,16 +59,17 @@ class SparseModelSoup:
             reported too: it tells whether a soup can gain at all.
         test_dataset: reported only, never used for selection.
         data_collator, compute_loss_func, callbacks: passed to every replica's SparseSoupTrainer.
+        processing_class: tokenizer or image processor, saved with the final soup.
     """
 
     def __init__(self, model: nn.Module, args: SparseSoupConfig, train_dataset, metric_fn: MetricFn,
                  eval_dataset=None, test_dataset=None, data_collator=None, compute_loss_func=None,
-                 callbacks=None):  # fmt: skip
+                 callbacks=None, processing_class=None):  # fmt: skip
         if eval_dataset is None:
             train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction, args.seed)
         self.pretrained, self.args = model, args
         self.train_dataset, self.eval_dataset, self.test_dataset = train_dataset, eval_dataset, test_dataset
-        self.metric_fn = metric_fn
+        self.metric_fn, self.processing_class = metric_fn, processing_class
         self.trainer_kwargs = {"data_collator": data_collator, "callbacks": callbacks}
         if compute_loss_func is not None:
             self.trainer_kwargs["compute_loss_func"] = compute_loss_func
@@ -107,9 +108,9 @@ class SparseModelSoup:
             self.run_imp("imp", a, n_tracks=a.num_replicas if "imp_reprune" in a.baselines else 1)
         self._save_results()
         if self.world.is_main:
-            save_sparse(
-                model, os.path.join(a.output_dir, "final_soup"), recipe=self.recipe(), metrics=self.final_metrics()
-            )
+            soup_dir = os.path.join(a.output_dir, "final_soup")
+            save_sparse(model, soup_dir, recipe=self.recipe(), metrics=self.final_metrics(),
+                        processing_class=self.processing_class)  # fmt: skip
         return model
 
     def recipe(self) -> dict:

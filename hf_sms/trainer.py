@@ -56,6 +56,11 @@ def load_pruning_step(directory: str, fallback: PruningStep) -> PruningStep | No
     return PruningStep(masks, float(meta["norm_fraction"]), float(meta["phase_fraction"]))
 
 
+class _HubMixinConfig(dict):
+    """smp's config is a plain dict; Trainer sets ``config.use_cache`` on it. As an attribute of this
+    subclass the flag stays out of the dict, so smp's saved config.json is unchanged."""
+
+
 class _MaskCallback(TrainerCallback):
     def __init__(self, trainer: SparseSoupTrainer):
         self.trainer = trainer
@@ -96,6 +101,8 @@ class SparseSoupTrainer(Trainer):
         elif not isinstance(args, SparseSoupConfig):
             args = SparseSoupConfig(**{**args.to_dict(), "hub_token": args.hub_token})
         if model is not None and not isinstance(model, PreTrainedModel):
+            if type(getattr(model, "_hub_mixin_config", None)) is dict:
+                model._hub_mixin_config = _HubMixinConfig(model._hub_mixin_config)
             kwargs.setdefault("compute_loss_func", cross_entropy_loss)
             if args.label_names is None:
                 args.label_names = ["labels"]

@@ -1,0 +1,81 @@
+"""Sparse Model Soups for semantic segmentation with segmentation_models_pytorch's PSPNet (mean IoU).
+
+    accelerate launch --num_processes 3 recipes/pspnet_segmentation.py --config recipes/configs/pspnet_cityscapes.yaml
+    # a DatasetDict saved with save_to_disk, with `image` and `mask` columns
+    python recipes/pspnet_segmentation.py --output_dir out --dataset_path ./my_segmentation --num_classes 19
+
+Needs the `seg` extra (``pip install hf-sms[seg]``). Mask pixels equal to ``--ignore_label`` are ignored.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hf_sms import SparseModelSoup, SparseSoupConfig
+from hf_sms.evaluation import MeanIoU
+from hf_sms.scripts import finish, load_splits, parse_args
+
+
+@dataclass
+class ScriptArguments:
+    encoder_name: str = field(default="resnet50", metadata={"help": "smp encoder of the PSPNet."})
+    encoder_weights: str | None = field(default="imagenet", metadata={"help": "Pretrained encoder weights."})
+    model_path: str | None = field(default=None, metadata={"help": "A dense PSPNet saved with save_pretrained."})
+    num_classes: int = 19
+    dataset_name: str | None = None
+    dataset_config: str | None = None
+    dataset_path: str | None = field(default=None, metadata={"help": "A DatasetDict saved with save_to_disk."})
+    image_column: str = "image"
+    mask_column: str = "mask"
+    test_split: str = field(default="validation", metadata={"help": "Reported only (Cityscapes' val set)."})
+    crop_size: int = 512
+    ignore_label: int = 255
+
+
+MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+
+
+def main(script_args: ScriptArguments, args: SparseSoupConfig):
+    import segmentation_models_pytorch as smp
+
+    raw = load_splits(script_args.dataset_name, script_args.dataset_config, script_args.dataset_path)
+    if script_args.model_path:
+        model = smp.from_pretrained(script_args.model_path)
+    else:
+        model = smp.PSPNet(script_args.encoder_name, encoder_weights=script_args.encoder_weights,
+                           classes=script_args.num_classes)  # fmt: skip
+    size = (script_args.crop_size, script_args.crop_size)
+
+    def with_transform(split, training):
+        def apply(batch):
+            xs, ys = [], []
+            for img, mask in zip(batch[script_args.image_column], batch[script_args.mask_column]):
+                x = torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
+                y = torch.from_numpy(np.asarray(mask, dtype=np.int64))
+                x = F.interpolate(x[None], size, mode="bilinear", align_corners=False)[0]
+                y = F.interpolate(y[None, None].float(), size, mode="nearest")[0, 0].long()
+                if training and torch.rand(()) < 0.5:
+                    x, y = x.flip(-1), y.flip(-1)
+                xs.append((x - MEAN) / STD)
+                ys.append(y.masked_fill(y == script_args.ignore_label, -100))
+            return {"x": xs, "labels": ys}
+
+        return raw[split].with_transform(apply)
+
+    def collate(items):
+        return {"x": torch.stack([i["x"] for i in items]), "labels": torch.stack([i["labels"] for i in items])}
+
+    train = with_transform("train", training=True)
+    test = with_transform(script_args.test_split, training=False) if script_args.test_split in raw else None
+    args.remove_unused_columns = False  # the transform makes the columns forward() takes
+    miou = MeanIoU(script_args.num_classes, batch_size=args.per_device_eval_batch_size, collate_fn=collate)
+    runner = SparseModelSoup(model, args, train, miou, test_dataset=test, data_collator=collate)
+    runner.run()
+    finish(runner, datasets=[script_args.dataset_name or script_args.dataset_path])
+    return runner
+
+
+if __name__ == "__main__":
+    main(*parse_args(ScriptArguments, SparseSoupConfig))

@@ -1,0 +1,140 @@
+"""The recipes end to end on tiny models and local files (no Hub): T5, timm ResNet/MaxViT, smp PSPNet."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hf_sms import SparseSoupConfig
+from hf_sms.scripts import parse_args
+
+RECIPES = Path(__file__).parent.parent / "recipes"
+
+
+def _recipe(name):
+    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "run"), target_sparsity=0.5, n_phases=1, num_replicas=2, max_steps=2,
+        per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-3, optim="adamw_torch",
+        use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    return SparseSoupConfig(**{**base, **kw})
+
+
+def _check_run(tmp_path, metric_range=(0.0, 100.0)):
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    row = results["rows"]["sms_uniform"][0]
+    assert row["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert metric_range[0] <= row["test"] <= metric_range[1]
+    assert (tmp_path / "run" / "final_soup" / "sparsity.json").is_file()
+    return results
+
+
+def test_parse_args_reads_yaml_and_flags_override(tmp_path):
+    t5 = _recipe("t5_wmt16")
+    config = tmp_path / "c.yaml"
+    config.write_text("output_dir: x\nnum_replicas: 5\ntarget_lang: ro\n")
+    script, args = parse_args(
+        t5.ScriptArguments, SparseSoupConfig, argv=["--config", str(config), "--num_replicas", "2"]
+    )
+    assert (script.target_lang, args.num_replicas, args.output_dir) == ("ro", 2, "x")
+    config.write_text("output_dir: x\nnum_replica: 5\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['num_replica'\]"):
+        parse_args(t5.ScriptArguments, SparseSoupConfig, argv=["--config", str(config)])
+
+
+def test_shipped_configs_parse():
+    shipped = {
+        "t5_wmt16": "t5_wmt16",
+        "resnet50_imagenet": "image_classification",
+        "maxvit_imagenet": "image_classification",
+        "pspnet_cityscapes": "pspnet_segmentation",
+    }
+    for name, recipe in shipped.items():
+        module = _recipe(recipe)
+        argv = ["--config", str(RECIPES / "configs" / f"{name}.yaml"), "--bf16", "false"]
+        script, args = parse_args(module.ScriptArguments, SparseSoupConfig, argv=argv)
+        assert args.retrain_schedule == "allr" and args.pretrain_epochs > 0
+
+
+def test_t5_recipe_on_local_json(tmp_path):
+    from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+
+    tok = ByT5Tokenizer()
+    cfg = T5Config(vocab_size=tok.vocab_size, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
+                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    for split, n in (("train", 40), ("test", 8)):
+        lines = [json.dumps({"translation": {"en": f"house {i}", "de": f"Haus {i}"}}) for i in range(n)]
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(lines))
+    t5 = _recipe("t5_wmt16")
+    script = t5.ScriptArguments(model_name_or_path=str(tmp_path / "model"), train_file=str(tmp_path / "train.jsonl"),
+                                test_file=str(tmp_path / "test.jsonl"), target_lang="de", max_source_length=16,
+                                max_target_length=8)  # fmt: skip
+    t5.main(script, _args(tmp_path))
+    _check_run(tmp_path)
+    assert (tmp_path / "run" / "final_soup" / "tokenizer_config.json").is_file()
+
+
+def _imagefolder(root: Path, n: int = 8, size: int = 24):
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for label, shade in (("dark", 40), ("light", 210)):
+            (root / split / label).mkdir(parents=True)
+            for i in range(n):
+                pixels = np.clip(rng.normal(shade, 20, (size, size, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(root / split / label / f"{i}.png")
+
+
+@pytest.mark.parametrize(
+    ("model_name", "model_kwargs"),
+    [
+        ("resnet10t", None),
+        ("maxvit_rmlp_nano_rw_256", '{"img_size": 32, "embed_dim": [8, 8, 8, 8], "depths": [1, 1, 1, 1], '
+         '"stem_width": 8, "transformer_dim_head": 4}'),
+    ],
+    ids=["resnet", "maxvit"],
+)  # fmt: skip
+def test_image_classification_recipe_on_an_imagefolder(tmp_path, model_name, model_kwargs):
+    _imagefolder(tmp_path / "images")
+    recipe = _recipe("image_classification")
+    script = recipe.ScriptArguments(model_name=model_name, pretrained=False, model_kwargs=model_kwargs,
+                                    image_size=32, dataset_name="imagefolder", data_dir=str(tmp_path / "images"),
+                                    test_split="test", label_smoothing=0.1)  # fmt: skip
+    recipe.main(script, _args(tmp_path, optim="sgd", learning_rate=0.01))
+    _check_run(tmp_path)
+
+
+def test_pspnet_recipe_on_a_saved_dataset(tmp_path):
+    import datasets
+
+    rng = np.random.default_rng(0)
+
+    def split(n):
+        images, masks = [], []
+        for _ in range(n):
+            mask = np.zeros((24, 24), dtype=np.uint8)
+            mask[:, 12:] = 1
+            mask[0, 0] = 255  # ignored
+            images.append(Image.fromarray((rng.random((24, 24, 3)) * 50 + mask[..., None] * 150).astype(np.uint8)))
+            masks.append(Image.fromarray(mask))
+        return datasets.Dataset.from_dict({"image": images, "mask": masks}).cast_column("image", datasets.Image())
+
+    datasets.DatasetDict({"train": split(8), "validation": split(4)}).save_to_disk(tmp_path / "seg")
+    recipe = _recipe("pspnet_segmentation")
+    script = recipe.ScriptArguments(encoder_name="resnet18", encoder_weights=None, num_classes=2,
+                                    dataset_path=str(tmp_path / "seg"), crop_size=32)  # fmt: skip
+    recipe.main(script, _args(tmp_path, optim="sgd", learning_rate=0.01))
+    _check_run(tmp_path)
