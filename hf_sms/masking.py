@@ -21,13 +21,14 @@ class MaskEnforcer:
         tensors = validate_masks(model, masks)
         self.masks = masks
         self.params = [tensors[n].param for n in masks]
-        self._device_masks = [m.to(p.device) for m, p in zip(masks.values(), self.params)]
+        # Kept in each weight's dtype: with bool masks _foreach_mul_ promotes types and runs ~3x slower on CPU.
+        self._device_masks = [m.to(device=p.device, dtype=p.dtype) for m, p in zip(masks.values(), self.params)]
         self._state_cache: tuple[int, int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def _sync_devices(self) -> None:
-        # The Trainer may move the model after the masks were bound.
-        if any(m.device != p.device for m, p in zip(self._device_masks, self.params)):
-            self._device_masks = [m.to(p.device) for m, p in zip(self._device_masks, self.params)]
+        # The Trainer may move (or cast) the model after the masks were bound.
+        if any(m.device != p.device or m.dtype != p.dtype for m, p in zip(self._device_masks, self.params)):
+            self._device_masks = [m.to(device=p.device, dtype=p.dtype) for m, p in zip(self._device_masks, self.params)]
             self._state_cache = None
 
     @torch.no_grad()
@@ -54,7 +55,7 @@ class MaskEnforcer:
                 for v in optimizer.state.get(p, {}).values():
                     if torch.is_tensor(v) and v.shape == p.shape and v.is_floating_point():
                         states.append(v)
-                        masks.append(m)
+                        masks.append(m if m.dtype == v.dtype else m.to(v.dtype))
             self._state_cache = (*key, states, masks)
         states, masks = self._state_cache[3:]
         if states:

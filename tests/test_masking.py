@@ -213,3 +213,16 @@ def test_enforcer_rejects_bad_masks():
         MaskEnforcer(model, {"nope.weight": torch.ones(3, dtype=torch.bool)})
     with pytest.raises(ValueError, match="different architecture"):
         MaskEnforcer(model, {"fc1.weight": torch.ones(3, 3, dtype=torch.bool)})
+
+
+def test_model_cast_after_binding_is_still_masked():
+    """The enforcer keeps masks in the weights' dtype; casting the model afterwards must not break it."""
+    model, x, y = make_model_and_data("cnn")
+    masks = compute_masks(model, 0.6)
+    apply_masks(model, masks)
+    enforcer = MaskEnforcer(model, masks)
+    model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train(model, x.bfloat16(), y, opt, enforcer, masks, steps=4)
+    assert all(m.dtype == torch.bool for m in enforcer.masks.values())  # the public masks stay bool
+    assert assert_masked(masks, model, opt) >= 2 * len(masks)  # exp_avg and exp_avg_sq, in bfloat16
