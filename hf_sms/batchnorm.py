@@ -14,11 +14,15 @@ def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, _BN) and m.track_running_stats for m in model.modules())
 
 
-def forward_batch(model: nn.Module, batch, device: torch.device | None = None):
-    """Run ``model`` on one batch: a dict (``labels`` dropped), a tuple/list (first item) or a tensor."""
+def forward_batch(model: nn.Module, batch, device: torch.device | None = None, keep_labels: bool = False):
+    """Run ``model`` on one batch: a dict, a tuple/list (first item) or a tensor.
+
+    ``labels`` are dropped from dicts unless ``keep_labels`` (seq2seq models derive decoder inputs from them).
+    """
     if isinstance(batch, dict):
         kwargs = {k: v.to(device) if device is not None and torch.is_tensor(v) else v for k, v in batch.items()}
-        kwargs.pop("labels", None)
+        if not keep_labels:
+            kwargs.pop("labels", None)
         return model(**kwargs)
     if isinstance(batch, (tuple, list)):
         batch = batch[0]

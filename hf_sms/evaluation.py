@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import default_data_collator
+from transformers import PreTrainedModel, default_data_collator
 
 from .batchnorm import forward_batch
 
@@ -117,3 +117,34 @@ class MeanIoU:
         union = confusion.sum(0).double() + confusion.sum(1).double() - inter
         present = union > 0
         return 100.0 * float((inter[present] / union[present]).mean()) if present.any() else 0.0
+
+
+@torch.no_grad()
+def theoretical_speedup(model: nn.Module, batch) -> float:
+    """Dense FLOPs / FLOPs with zeros skipped, over conv and linear layers, on one batch (METHOD §8).
+
+    A layer's sparse cost is ``flops * nnz / numel`` of its weight (ShrinkBench's convention).
+    """
+    dense, sparse, hooks = [0.0], [0.0], []
+
+    def count(module, inputs, output):
+        w = module.weight
+        if isinstance(module, nn.Linear):
+            flops = output.numel() * w.shape[1]
+        else:  # convolution: each output element costs (c_in / groups) * prod(kernel) multiply-adds
+            flops = output.numel() * w[0].numel()
+        dense[0] += flops
+        sparse[0] += flops * float((w != 0).sum()) / w.numel()
+
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            hooks.append(m.register_forward_hook(count))
+    was_training = model.training
+    model.eval()
+    try:
+        forward_batch(model, batch, next(model.parameters()).device, keep_labels=isinstance(model, PreTrainedModel))
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return dense[0] / sparse[0] if sparse[0] else float("inf")

@@ -20,7 +20,7 @@ from .batchnorm import has_batchnorm, recalibrate_batchnorm
 from .config import SparseSoupConfig
 from .data import split_validation
 from .distributed import ReplicaWorld
-from .evaluation import MetricFn
+from .evaluation import MetricFn, theoretical_speedup
 from .merge import check_same_masks, greedy_select
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
 from .results import save_results
@@ -122,7 +122,7 @@ class SparseModelSoup:
 
     def final_metrics(self) -> dict:
         row = self.results["rows"][f"sms_{self.args.merge_method}"][-1]
-        return {k: row[k] for k in ("val", "test") if row.get(k) is not None}
+        return {k: row[k] for k in ("val", "test", "speedup") if row.get(k) is not None}
 
     def run_imp(self, name: str, args: SparseSoupConfig, n_tracks: int) -> None:
         """IMP (m=1) trajectories with seeds seed+i, in lockstep and parallel like replicas; with several
@@ -212,8 +212,10 @@ class SparseModelSoup:
         return [scores[i] for i in range(len(scores))]
 
     def _measure(self, model: nn.Module) -> dict:
+        batch = next(iter(DataLoader(self.eval_dataset, self.args.per_device_eval_batch_size, collate_fn=self.collate)))
         return {
             "sparsity": sparsity_report(model)["sparsity"],
+            "speedup": theoretical_speedup(model, batch),
             "val": self.evaluate(model, self.eval_dataset),
             "test": self.evaluate(model, self.test_dataset),
         }
@@ -230,7 +232,8 @@ class SparseModelSoup:
         best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
         self._record("sms_uniform", p, self._measure(soups["uniform"]))
         self._record("sms_greedy", p, self._measure(soups["greedy"]), kept=sorted(self._greedy_kept))
-        measured = {"sparsity": self.results["rows"]["sms_uniform"][-1]["sparsity"], "val": val[best]}
+        same = {k: self.results["rows"]["sms_uniform"][-1][k] for k in ("sparsity", "speedup")}  # same mask
+        measured = {**same, "val": val[best]}
         self._record("best_candidate", p, {**measured, "test": test[best]}, index=best)
         mean = {k: sum(v) / len(v) if None not in v else None for k, v in (("val", val), ("test", test))}
         self._record("mean_candidate", p, {**measured, **mean})

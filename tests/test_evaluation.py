@@ -1,0 +1,52 @@
+"""Metrics: mean IoU by hand, theoretical speedup, accuracy and the ensemble score."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_sms import apply_masks, compute_masks
+from hf_sms.data import TensorDictDataset
+from hf_sms.evaluation import ClassificationAccuracy, MeanIoU, theoretical_speedup
+
+
+class Fixed(nn.Module):
+    """Returns stored logits for the batch's indices (x holds the index)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = nn.Parameter(logits)
+
+    def forward(self, x):
+        return self.logits[x.long()]
+
+
+def test_mean_iou_by_hand():
+    # one 2x2 image, 2 classes: labels [[0, 0], [1, -100]], prediction [[0, 1], [1, 1]]
+    pred = torch.tensor([[[0, 1], [1, 1]]])
+    logits = torch.nn.functional.one_hot(pred, 2).permute(0, 3, 1, 2).float()
+    data = TensorDictDataset(torch.tensor([0]), torch.tensor([[[0, 0], [1, -100]]]))
+    # class 0: inter 1, union 2 -> 0.5; class 1: inter 1, union 2 -> 0.5; ignored pixel skipped
+    assert MeanIoU(num_classes=2)(Fixed(logits), data) == pytest.approx(50.0)
+
+
+def test_accuracy_and_ensemble_score():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]])
+    data = TensorDictDataset(torch.arange(3), torch.tensor([0, 1, 1]))
+    metric = ClassificationAccuracy()
+    assert metric(Fixed(logits), data) == pytest.approx(200 / 3)
+    other = Fixed(torch.tensor([[0.0, 1.0], [0.0, 1.0], [0.0, 9.0]]))
+    mean = (metric.predict(Fixed(logits), data) + metric.predict(other, data)) / 2
+    assert metric.score(mean, data) == pytest.approx(100.0)  # the ensemble fixes the third sample
+
+
+def test_theoretical_speedup_counts_only_live_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 10))
+    x = torch.randn(4, 10)
+    assert theoretical_speedup(model, x) == pytest.approx(1.0)
+    apply_masks(model, compute_masks(model, 0.75, "uniform"))
+    assert theoretical_speedup(model, x) == pytest.approx(4.0)
+    conv = nn.Conv2d(2, 4, 3, groups=2)
+    with torch.no_grad():
+        conv.weight[:2] = 0  # half the filters
+    assert theoretical_speedup(conv, torch.randn(1, 2, 5, 5)) == pytest.approx(2.0)
