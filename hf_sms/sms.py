@@ -151,7 +151,11 @@ class SparseModelSoup:
         model = copy.deepcopy(start)
         if os.path.isfile(path):
             logger.info("[hf-sms] %s: finished earlier, loading %s", name, path)
-            load_model(model, path)
+            try:
+                load_model(model, path)
+            except Exception as e:  # truncated or foreign file: say which, and how to recover
+                raise ValueError(f"{path} is not a readable checkpoint of this model ({e}); delete it to retrain "
+                                 "that replica, or use a fresh --output_dir") from e  # fmt: skip
             return model
         logger.info("[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s, rank %d/%d)", name,
                     1 - sum(int(m.sum()) for m in step.masks.values()) / sum(m.numel() for m in step.masks.values()),

@@ -131,3 +131,17 @@ def test_run_sms_on_a_tiny_t5(tmp_path):
     assert soup.lm_head.weight is soup.shared.weight  # the tie survives merging
     assert results["rows"]["sms_uniform"][0]["sparsity"] == pytest.approx(0.5, abs=1e-3)
     assert results["rows"]["sms_greedy"][0]["val"] >= max(results["sms"][0]["candidates_val"])
+
+
+def test_corrupt_run_json_or_replica_gives_a_clear_error(tmp_path, digits):
+    train, val, _ = digits
+    accuracy = ClassificationAccuracy()
+    args = _args(tmp_path, n_phases=1)
+    run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val)
+    replica = tmp_path / "run" / "sms" / "phase1" / "replica0" / "model.safetensors"
+    replica.write_bytes(replica.read_bytes()[:100])  # truncated, e.g. by a full disk
+    with pytest.raises(ValueError, match="replica0/model.safetensors is not a readable checkpoint.*delete it"):
+        run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val)
+    (tmp_path / "run" / "run.json").write_text("{not json")
+    with pytest.raises(ValueError, match="run.json is corrupt"):
+        run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val)
