@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ def forward_batch(model: nn.Module, batch, device: torch.device | None = None, k
 
     ``labels`` are dropped from dicts unless ``keep_labels`` (seq2seq models derive decoder inputs from them).
     """
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # dicts and transformers' BatchEncoding
         kwargs = {k: v.to(device) if device is not None and torch.is_tensor(v) else v for k, v in batch.items()}
         if not keep_labels:
             kwargs.pop("labels", None)

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import sys
 
+import torch
 import yaml
 from transformers import HfArgumentParser
 
@@ -43,6 +44,17 @@ def load_splits(dataset_name: str | None, dataset_config: str | None = None, dat
     if not dataset_name:
         raise ValueError("give --dataset_name (a Hub dataset or a builder such as imagefolder) or --dataset_path")
     return datasets.load_dataset(dataset_name, dataset_config, data_dir=data_dir)
+
+
+def transformed_splits(raw, transform, test_split: str):
+    """``(train, test)`` with ``transform(training)``'s function applied on the fly; test is None if missing."""
+    train = raw["train"].with_transform(transform(True))
+    return train, raw[test_split].with_transform(transform(False)) if test_split in raw else None
+
+
+def stack_collate(items: list[dict]) -> dict:
+    """Batch items such as ``{"x": tensor, "labels": int or tensor}`` by stacking each key."""
+    return {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0]}
 
 
 def finish(runner: SparseModelSoup, base_model: str | None = None, datasets: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.scripts import finish, load_splits, parse_args
+from hf_sms.scripts import finish, load_splits, parse_args, stack_collate, transformed_splits
 
 
 @dataclass
@@ -50,20 +50,16 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
     if script_args.image_size:
         data_cfg["input_size"] = (3, script_args.image_size, script_args.image_size)
 
-    def with_transform(split, training):
+    def transform(training):
         tf = timm.data.create_transform(**data_cfg, is_training=training)
 
         def apply(batch):
             x = [tf(img.convert("RGB")) for img in batch[script_args.image_column]]
             return {"x": x, "labels": batch[script_args.label_column]}
 
-        return raw[split].with_transform(apply)
+        return apply
 
-    def collate(items):
-        return {"x": torch.stack([i["x"] for i in items]), "labels": torch.tensor([i["labels"] for i in items])}
-
-    train = with_transform("train", training=True)
-    test = with_transform(script_args.test_split, training=False) if script_args.test_split in raw else None
+    train, test = transformed_splits(raw, transform, script_args.test_split)
     args.remove_unused_columns = False  # the transform makes the columns forward() takes
     loss = None
     if script_args.label_smoothing:
@@ -71,8 +67,8 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
         def loss(outputs, labels, num_items_in_batch=None):
             return torch.nn.functional.cross_entropy(outputs, labels, label_smoothing=script_args.label_smoothing)
 
-    runner = SparseModelSoup(model, args, train, ClassificationAccuracy(collate_fn=collate), test_dataset=test,
-                             data_collator=collate, compute_loss_func=loss)  # fmt: skip
+    runner = SparseModelSoup(model, args, train, ClassificationAccuracy(collate_fn=stack_collate), test_dataset=test,
+                             data_collator=stack_collate, compute_loss_func=loss)  # fmt: skip
     runner.run()
     finish(runner, base_model=f"timm/{script_args.model_name}", datasets=[script_args.dataset_name])
     return runner

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import MeanIoU
-from hf_sms.scripts import finish, load_splits, parse_args
+from hf_sms.scripts import finish, load_splits, parse_args, stack_collate, transformed_splits
 
 
 @dataclass
@@ -48,7 +48,7 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
                            classes=script_args.num_classes)  # fmt: skip
     size = (script_args.crop_size, script_args.crop_size)
 
-    def with_transform(split, training):
+    def transform(training):
         def apply(batch):
             xs, ys = [], []
             for img, mask in zip(batch[script_args.image_column], batch[script_args.mask_column]):
@@ -62,16 +62,12 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
                 ys.append(y.masked_fill(y == script_args.ignore_label, -100))
             return {"x": xs, "labels": ys}
 
-        return raw[split].with_transform(apply)
+        return apply
 
-    def collate(items):
-        return {"x": torch.stack([i["x"] for i in items]), "labels": torch.stack([i["labels"] for i in items])}
-
-    train = with_transform("train", training=True)
-    test = with_transform(script_args.test_split, training=False) if script_args.test_split in raw else None
+    train, test = transformed_splits(raw, transform, script_args.test_split)
     args.remove_unused_columns = False  # the transform makes the columns forward() takes
-    miou = MeanIoU(script_args.num_classes, batch_size=args.per_device_eval_batch_size, collate_fn=collate)
-    runner = SparseModelSoup(model, args, train, miou, test_dataset=test, data_collator=collate)
+    miou = MeanIoU(script_args.num_classes, batch_size=args.per_device_eval_batch_size, collate_fn=stack_collate)
+    runner = SparseModelSoup(model, args, train, miou, test_dataset=test, data_collator=stack_collate)
     runner.run()
     finish(runner, datasets=[script_args.dataset_name or script_args.dataset_path])
     return runner
