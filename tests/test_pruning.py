@@ -196,7 +196,7 @@ def test_erk_densities_sum_to_target_and_never_exceed_one(shapes, sparsity):
     numel = {n: math.prod(s) for n, s in named.items()}
     assert all(0.0 <= d <= 1.0 + 1e-12 for d in densities.values())
     kept = sum(densities[n] * numel[n] for n in named)
-    assert kept == pytest.approx((1 - sparsity) * sum(numel.values()), rel=1e-9, abs=1e-9)
+    assert kept == pytest.approx((1 - sparsity) * sum(numel.values()), rel=1e-8, abs=1e-8)
 
 
 def test_erk_matches_hand_computed_case():
