@@ -1,0 +1,164 @@
+"""Seconds per training step: SparseSoupTrainer vs plain transformers Trainer, same model, data and optimizer.
+
+The extra work of SparseSoupTrainer per step is masking the gradients before clipping, masking the weights
+and the optimizer state after the step, and computing the sparsity at logging steps. Runs are interleaved
+(A B, then B A, ...) so drift in machine speed hits both; each run's first steps are dropped as warm-up
+and the per-step times are compared by their medians. Target: ratio <= 1.05 (goal 1.02).
+
+    python benchmarks/mask_overhead.py                 # timm ResNet-18 at half width, 32x32 images, CPU (~2 min)
+    python benchmarks/mask_overhead.py --channels 64,128,256,512 --rounds 4   # full-width ResNet-18
+    python benchmarks/mask_overhead.py --model t5      # a 4+4 layer T5 (d_model 256) on random bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.utils import logging as hf_logging
+
+from hf_sms import SparseSoupTrainer, compute_masks
+from hf_sms.trainer import cross_entropy_loss
+
+
+class StepTimer(TrainerCallback):
+    """Time between consecutive optimizer steps (everything the training loop does per step), on two clocks.
+
+    Wall time is what a user waits; this process's CPU time is less disturbed by other processes on a
+    shared machine.
+    """
+
+    def __init__(self):
+        self.ends: list[tuple[float, float]] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.ends = [(time.perf_counter(), time.process_time())]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append((time.perf_counter(), time.process_time()))
+
+    def step_times(self, warmup: int, clock: int) -> list[float]:
+        return [b[clock] - a[clock] for a, b in zip(self.ends, self.ends[1:])][warmup:]
+
+
+def build(name: str, batch_size: int, image_size: int, seq_len: int, channels: tuple[int, ...]):
+    """(model, dataset, is_transformers_model) with random but fixed data; nothing is downloaded."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    n = batch_size * 8
+    if name == "t5":
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(
+            vocab_size=384, d_model=256, d_ff=1024, d_kv=32, num_heads=8, num_layers=4, decoder_start_token_id=0
+        )
+        ids = torch.randint(3, 384, (n, seq_len), generator=g)
+        data = [
+            {"input_ids": ids[i], "attention_mask": torch.ones(seq_len, dtype=torch.long), "labels": ids[i]}
+            for i in range(n)
+        ]
+        return T5ForConditionalGeneration(config), data, True
+    import timm
+
+    model = timm.create_model(name, pretrained=False, num_classes=10, channels=channels)
+    x = torch.randn(n, 3, image_size, image_size, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return model, [{"x": x[i], "labels": y[i]} for i in range(n)], False
+
+
+def run(kind: str, base, masks, data, is_hf: bool, opts) -> tuple[list[float], list[float]]:
+    model = copy.deepcopy(base)
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            save_strategy="no",
+            logging_steps=opts.logging_steps,
+            max_steps=opts.warmup + opts.steps,
+            per_device_train_batch_size=opts.batch_size,
+            optim=opts.optim,
+            learning_rate=1e-3,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            seed=0,
+            dataloader_num_workers=0,
+            label_names=None if is_hf else ["labels"],
+        )
+        extra = {} if is_hf else {"compute_loss_func": cross_entropy_loss}
+        if kind == "sparse":
+            trainer = SparseSoupTrainer(model, args, masks=masks, train_dataset=data, callbacks=[timer], **extra)
+        else:
+            trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer], **extra)
+        trainer.remove_callback(PrinterCallback)  # keep the output to the timings
+        trainer.train()
+    return timer.step_times(opts.warmup, 0), timer.step_times(opts.warmup, 1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet18", help="a timm model name, or 't5' for a 4+4 layer T5")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--channels", default="32,64,128,256", help="stage widths of the timm ResNet")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--optim", default="adamw_torch")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
+    p.add_argument("--rounds", type=int, default=10, help="A/B pairs")
+    p.add_argument("--logging-steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None)
+    opts = p.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()
+
+    channels = tuple(int(c) for c in opts.channels.split(","))
+    base, data, is_hf = build(opts.model, opts.batch_size, opts.image_size, opts.seq_len, channels)
+    masks = compute_masks(base, opts.sparsity)
+    n_params = sum(p.numel() for p in base.parameters())
+    print(
+        f"model={opts.model} params={n_params / 1e6:.2f}M sparsity={opts.sparsity} optim={opts.optim} "
+        f"batch={opts.batch_size} threads={torch.get_num_threads()} steps/run={opts.steps} rounds={opts.rounds}"
+    )
+    # times[clock][kind]: per-step seconds of all runs; medians[clock][kind]: one median per run
+    times = {c: {"plain": [], "sparse": []} for c in ("wall", "cpu")}
+    medians = {c: {"plain": [], "sparse": []} for c in ("wall", "cpu")}
+    t0 = time.perf_counter()
+    for r in range(opts.rounds):
+        order = ("plain", "sparse") if r % 2 == 0 else ("sparse", "plain")
+        for kind in order:
+            for clock, t in zip(("wall", "cpu"), run(kind, base, masks, data, is_hf, opts)):
+                times[clock][kind] += t
+                medians[clock][kind].append(statistics.median(t))
+        a, b = medians["wall"]["plain"][-1], medians["wall"]["sparse"][-1]
+        c, d = medians["cpu"]["plain"][-1], medians["cpu"]["sparse"][-1]
+        print(
+            f"round {r + 1}: wall plain {a * 1e3:.1f} / sparse {b * 1e3:.1f} ms/step ({b / a:.3f}); "
+            f"cpu plain {c * 1e3:.1f} / sparse {d * 1e3:.1f} ms/step ({d / c:.3f})"
+        )
+    for clock in ("wall", "cpu"):
+        plain, sparse = statistics.median(times[clock]["plain"]), statistics.median(times[clock]["sparse"])
+        pairs = sorted(s / p for s, p in zip(medians[clock]["sparse"], medians[clock]["plain"]))
+        q1, q3 = pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]
+        mean_ratio = statistics.mean(times[clock]["sparse"]) / statistics.mean(times[clock]["plain"])
+        print(
+            f"{clock}: median s/step plain {plain:.4f}, sparse {sparse:.4f}; ratio sparse/plain "
+            f"{sparse / plain:.3f} (median of all steps), {statistics.median(pairs):.3f} (median of per-round "
+            f"ratios, quartiles {q1:.3f}-{q3:.3f}), {mean_ratio:.3f} (means, logging steps included)"
+        )
+    print(f"total {time.perf_counter() - t0:.0f} s; target ratio <= 1.05, goal 1.02")
+
+
+if __name__ == "__main__":
+    main()
