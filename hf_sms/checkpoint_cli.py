@@ -23,10 +23,11 @@ from .sparse_format import (
     WEIGHTS_NAME,
     MaskStats,
     SparseCheckpoint,
+    _encode,
     decode_tensor,
     eligible,
-    encode_tensor,
     index_info,
+    index_mask,
     install_folder,
     mask_part,
     new_tmpdir,
@@ -80,6 +81,50 @@ def _check_same_masks(ckpts: list[SparseCheckpoint]) -> None:
                 fail(i, name)
 
 
+CHUNK = 1 << 22  # elements per step of the dense merge: memory is the output plus a few such chunks
+
+
+def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, dtype: torch.dtype, w: float):
+    """Inputs stored with the same index: average their stored values only; ``(values, index)`` or None."""
+    if not all(c.is_encoded(name) for c in ckpts):
+        return None
+    indexes = [c.read_raw(name + INDEX_SUFFIX) for c in ckpts]
+    if any(mask_part(i) != mask_part(indexes[0]) for i in indexes[1:]):
+        return None
+    all_stored = index_info(indexes[0])["codec"] == "dense"  # zeros are among the values: compare them
+    acc, mask = None, None
+    for i, c in enumerate(ckpts):
+        values = c.read_raw(name)
+        if all_stored:
+            mask = values != 0 if mask is None else mask
+            if not torch.equal(values != 0, mask):
+                raise ValueError(f"input {i} ({c.directory}) and input 0 have different masks in {name!r}")
+        acc = torch.zeros(values.shape, dtype=torch.float64) if acc is None else acc
+        acc.add_(values.to(torch.float64), alpha=w)
+    values = acc.to(dtype)
+    return values, restamp_index(indexes[0], values)
+
+
+def _merge_dense(ckpts: list[SparseCheckpoint], name: str, shape, dtype: torch.dtype, w: float) -> torch.Tensor:
+    """Average in chunks of the flattened tensor, checking masks on the way (dense or mixed inputs)."""
+    readers = [c.chunk_reader(name) for c in ckpts]
+    check = eligible(name, shape, dtype)
+    out = torch.empty(torch.Size(shape).numel(), dtype=dtype)
+    for start in range(0, out.numel(), CHUNK):
+        stop = min(start + CHUNK, out.numel())
+        acc, mask = torch.zeros(stop - start, dtype=torch.float64), None
+        for i, read in enumerate(readers):
+            chunk = read(start, stop)
+            if check:
+                if mask is None:
+                    mask = chunk != 0
+                elif not torch.equal(chunk != 0, mask):
+                    raise ValueError(f"input {i} ({ckpts[i].directory}) and input 0 have different masks in {name!r}")
+            acc.add_(chunk.to(torch.float64), alpha=w)
+        out[start:stop] = acc.to(dtype)
+    return out.reshape(shape)
+
+
 def merge_checkpoints(
     inputs: list[str], output: str, method: str = "uniform", format: str = "bitmask", overwrite: bool = False
 ) -> dict:
@@ -119,37 +164,26 @@ def merge_checkpoints(
             if not dtype.is_floating_point:
                 out[name] = ref.read(name)  # integer buffers (num_batches_tracked) from the first input
                 continue
-            indexes = [c.read_raw(name + INDEX_SUFFIX) if c.is_encoded(name) else None for c in ckpts]
-            if all(i is not None for i in indexes) and all(mask_part(i) == mask_part(indexes[0]) for i in indexes):
-                # Same mask, same code: average the stored values only, keep the index.
-                acc = None
-                for c in ckpts:
-                    values = c.read_raw(name)
-                    acc = torch.zeros(values.shape, dtype=torch.float64) if acc is None else acc
-                    acc.add_(values.to(torch.float64), alpha=w)
-                values = acc.to(dtype)
-                index = restamp_index(indexes[0], values)
-                merged = decode_tensor(values, index, name)
-                encoded = (values, index) if format == "bitmask" else None
-            else:
-                acc, mask = torch.zeros(shape, dtype=torch.float64), None
-                for i, c in enumerate(ckpts):
-                    t = c.read(name)
-                    if eligible(name, shape, dtype):
-                        mask = t != 0 if mask is None else mask
-                        if not torch.equal(t != 0, mask):
-                            raise ValueError(f"input {i} ({c.directory}) and input 0 have different masks in {name!r}")
-                    acc.add_(t.to(torch.float64), alpha=w)
-                    del t
-                merged = acc.to(dtype)
-                encoded = encode_tensor(merged) if format == "bitmask" and eligible(name, shape, dtype) else None
-            del acc
+            merged = _merge_encoded(ckpts, name, dtype, w)
+            if merged is not None and 0 not in merged[0]:  # the usual case: the index is kept as it is
+                values, index = merged
+                if eligible(name, shape, dtype):
+                    mask = index_mask(index, name)
+                    stats.add(name, values.numpy() != 0 if mask is None else mask, index_info(index)["codec"], shape)
+                if format == "bitmask":
+                    out[name], out[name + INDEX_SUFFIX] = values, index
+                else:
+                    out[name] = decode_tensor(values, index, name)
+                continue
+            dense = decode_tensor(*merged, name) if merged is not None else _merge_dense(ckpts, name, shape, dtype, w)
             if eligible(name, shape, dtype):
-                stats.add(name, merged != 0, index_info(encoded[1], name)["codec"] if encoded else "dense")
-            if encoded is not None:
-                out[name], out[name + INDEX_SUFFIX] = encoded
-            else:
-                out[name] = merged
+                keep, codec = (dense.reshape(-1) != 0).numpy(), "dense"
+                if format == "bitmask":
+                    out[name], out[name + INDEX_SUFFIX] = _encode(dense.reshape(-1), keep, tuple(shape))
+                    codec = index_info(out[name + INDEX_SUFFIX])["codec"]
+                stats.add(name, keep, codec, shape)
+            if name not in out:
+                out[name] = dense
         # Step 3: the folder: input 0's config and tokenizer files, the merged weights, sparsity.json
         from safetensors.torch import save_file
 

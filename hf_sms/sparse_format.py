@@ -102,7 +102,10 @@ def encode_tensor(tensor: torch.Tensor, codec: int | None = None) -> tuple[torch
         ``(values, index)``: 1-D values in ``tensor``'s dtype and the 1-D uint8 index.
     """
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    keep = (flat != 0).numpy()
+    return _encode(flat, (flat != 0).numpy(), tuple(tensor.shape), codec)
+
+
+def _encode(flat: torch.Tensor, keep: np.ndarray, shape: tuple, codec: int | None = None):
     numel, bpv = flat.numel(), flat.element_size()
     pos = np.flatnonzero(keep)
     nnz = len(pos)
@@ -116,19 +119,20 @@ def encode_tensor(tensor: torch.Tensor, codec: int | None = None) -> tuple[torch
     if codec == DENSE:
         values, payload, k, ubits, nnz = flat.clone(), [], 0, 0, numel
     elif codec == BITMASK:
-        values, payload, k, ubits = flat[torch.from_numpy(keep)], [np.packbits(keep, bitorder="little")], 0, 0
+        values, payload, k, ubits = flat[torch.from_numpy(pos)], [np.packbits(keep, bitorder="little")], 0, 0
     else:
         # Elias-Fano: the i-th position p sets bit (p >> k) + i of the unary part; its k low bits are
         # stored in k bit-planes. Decoding is a nonzero scan, a subtraction and a shift.
         unary = np.zeros(ubits, dtype=bool)
         unary[(pos >> k) + np.arange(nnz)] = True
-        planes = [np.packbits((pos >> j) & 1 == 1, bitorder="little") for j in range(k)]
-        values, payload = flat[torch.from_numpy(keep)], [np.packbits(unary, bitorder="little"), *planes]
+        low = (pos & ((1 << k) - 1)).astype(np.uint8 if k <= 8 else np.int64)
+        planes = [np.packbits((low >> low.dtype.type(j)) & 1, bitorder="little") for j in range(k)]
+        values, payload = flat[torch.from_numpy(pos)], [np.packbits(unary, bitorder="little"), *planes]
     crc = zlib.crc32(_bytes_of(values))
     for part in payload:
         crc = zlib.crc32(part, crc)
-    head = _HEAD.pack(_MAGIC, FORMAT_VERSION, codec, k, tensor.dim(), nnz, ubits, crc)
-    dims = np.asarray(tensor.shape, dtype="<u8").view(np.uint8)
+    head = _HEAD.pack(_MAGIC, FORMAT_VERSION, codec, k, len(shape), nnz, ubits, crc)
+    dims = np.asarray(shape, dtype="<u8").view(np.uint8)
     index = np.concatenate([np.frombuffer(head, np.uint8), dims, *payload])
     return values, torch.from_numpy(index)
 
@@ -282,6 +286,17 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.entries)
 
+    def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of the flattened tensor ``key``."""
+        dtype, shape, begin, end = self.entries[key]
+        size = dtype.itemsize
+        buf = bytearray((stop - start) * size)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin + start * size)
+            if f.readinto(buf) != len(buf):
+                raise ValueError(f"{self.path} is truncated while reading {key!r}; re-save or re-download it")
+        return torch.from_numpy(np.frombuffer(buf, np.uint8)).view(dtype)
+
     def read(self, key: str) -> torch.Tensor:
         dtype, shape, begin, end = self.entries[key]
         buf = bytearray(end - begin)
@@ -389,6 +404,14 @@ class SparseCheckpoint:
         enc = self.read_encoded(name)
         return self.read_raw(name) if enc is None else decode_tensor(*enc, name=name)
 
+    def chunk_reader(self, name: str):
+        """``read(start, stop)``: a slice of the flattened tensor; reads only that slice if stored dense."""
+        if self.is_encoded(name):
+            flat = self.read(name).reshape(-1)
+            return lambda start, stop: flat[start:stop]
+        f = self._where[name]
+        return lambda start, stop: f.read_range(name, start, stop)
+
     def mask(self, name: str) -> torch.Tensor:
         enc = self.read_encoded(name)
         if enc is not None:
@@ -405,8 +428,8 @@ class SparseCheckpoint:
 
 # ---------------------------------------------------------------------------------------------
 # Statistics written to sparsity.json
-def _mask_digest(mask: torch.Tensor) -> bytes:
-    return hashlib.sha256(np.packbits(mask.reshape(-1).numpy(), bitorder="little").tobytes()).digest()
+def _mask_digest(flat: np.ndarray) -> bytes:
+    return hashlib.sha256(np.packbits(flat, bitorder="little").tobytes()).digest()
 
 
 class MaskStats:
@@ -416,12 +439,13 @@ class MaskStats:
         self.per_tensor: dict[str, dict] = {}
         self._digests: dict[str, bytes] = {}
 
-    def add(self, name: str, mask: torch.Tensor, codec: str) -> None:
-        numel, nnz = mask.numel(), int(mask.sum())
-        digest = _mask_digest(mask)
+    def add(self, name: str, mask: torch.Tensor | np.ndarray, codec: str, shape: tuple | None = None) -> None:
+        flat = (mask.numpy() if isinstance(mask, torch.Tensor) else mask).reshape(-1)
+        numel, nnz = flat.size, int(np.count_nonzero(flat))
+        digest = _mask_digest(flat)
         self._digests[name] = digest
         self.per_tensor[name] = {
-            "shape": list(mask.shape),
+            "shape": list(shape if shape is not None else mask.shape),
             "numel": numel,
             "nnz": nnz,
             "sparsity": 1.0 - nnz / numel if numel else 0.0,
@@ -452,13 +476,15 @@ def _write_weights(tensors: Iterable[tuple[str, torch.Tensor]], path: str, fmt: 
         if not eligible(name, t.shape, t.dtype):
             out[name] = t
             continue
+        flat = t.reshape(-1)
+        keep = (flat != 0).numpy()
         if fmt == "bitmask":
-            values, index = encode_tensor(t)
+            values, index = _encode(flat, keep, tuple(t.shape))
             out[name], out[name + INDEX_SUFFIX] = values, index
-            stats.add(name, t != 0, index_info(index, name)["codec"])
+            stats.add(name, keep, CODECS[int(index[5])], tuple(t.shape))
         else:
             out[name] = t
-            stats.add(name, t != 0, "dense")
+            stats.add(name, keep, "dense", tuple(t.shape))
     save_file(out, path, metadata={"format": "pt", "hf_sms": f"{fmt}-v{FORMAT_VERSION}"})
     return stats
 
@@ -895,6 +921,10 @@ def _register_with_transformers() -> None:
             self.errors: list[str] = []
             self._prefetch: _Prefetcher | None = None
             self._plan = None
+            self._dtypes: dict[str, torch.dtype] | None = None
+
+        def update_parallel_plan(self, model, plan):
+            return  # ".sp_index" companions never become parameters: nothing to add to TP/EP plans
 
         def validate_environment(self, *args, **kwargs):
             if self.quantization_config.version > FORMAT_VERSION:
@@ -904,7 +934,7 @@ def _register_with_transformers() -> None:
                 )
 
         def _process_model_before_weight_loading(self, model, checkpoint_files=None, dtype=None, **kwargs):
-            self.errors = []
+            self.errors, self._dtypes = [], None
             with torch.device("cpu"):  # called inside transformers' meta-device init context
                 # Truncated or malformed files raise a clear ValueError here, before loading; decoding
                 # (and the checksums) start on a thread pool while transformers prepares the rest.
@@ -928,10 +958,9 @@ def _register_with_transformers() -> None:
                 hit = alternation.search(name)
                 if hit is not None:
                     return plan[by_group[hit.lastgroup]]
-            try:
-                return model.get_parameter_or_buffer(name).dtype
-            except AttributeError:
-                return None
+            if self._dtypes is None:
+                self._dtypes = {n: t.dtype for n, t in model.state_dict(keep_vars=True).items() if t is not None}
+            return self._dtypes.get(name)
 
         def _process_model_after_weight_loading(self, model, **kwargs):
             if self._prefetch is not None:

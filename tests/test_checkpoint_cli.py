@@ -63,6 +63,14 @@ def test_merge_equals_the_in_memory_uniform_soup(tmp_path, make, out_format):
     assert info["mask_hash"] == json.loads(open(os.path.join(dirs[0], "sparsity.json")).read())["mask_hash"]
 
 
+def test_chunked_dense_merge_is_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr("hf_sms.checkpoint_cli.CHUNK", 7)  # chunk edges everywhere
+    models = _replicas(make_t5)
+    dirs = _save_all(models, tmp_path, ["dense", "bitmask", "dense"])
+    merge_checkpoints(dirs, str(tmp_path / "soup"), format="bitmask")
+    _assert_equal(uniform_soup(models), load_sparse(str(tmp_path / "soup")))
+
+
 def test_merge_of_bitmask_inputs_keeps_the_index_and_loads_with_the_plain_loader(tmp_path):
     import timm
 

@@ -347,7 +347,7 @@ def test_failed_save_leaves_existing_files_intact(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("hf_sms.sparse_format.encode_tensor", boom)
+    monkeypatch.setattr("hf_sms.sparse_format._encode", boom)
     with pytest.raises(OSError):
         save_sparse(model, str(tmp_path), "bitmask")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
