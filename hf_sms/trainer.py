@@ -17,6 +17,7 @@ from .config import SparseSoupConfig
 from .masking import MaskEnforcer
 from .pruning import Masks, PruningStep, apply_masks, prune
 from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler
+from .sparse_format import save_sparse
 
 MASKS_NAME = "sparse_masks.safetensors"
 
@@ -184,6 +185,8 @@ class SparseSoupTrainer(Trainer):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             save_masks(self.masks, output_dir or self.args.output_dir, self.pruning_step)
+            if not _internal_call:  # the final save: small, and from_pretrained loads it once hf_sms is imported
+                save_sparse(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         if resume_from_checkpoint is True:

@@ -382,3 +382,18 @@ def test_quantizer_is_registered_once():
     before = AUTO_QUANTIZER_MAPPING["hf-sms-sparse"]
     hf_sms.sparse_format.register_transformers_quantizer()
     assert AUTO_QUANTIZER_MAPPING["hf-sms-sparse"] is before
+
+
+def test_trainer_final_save_is_a_sparse_checkpoint(make_args, t5_dataset, byt5_tokenizer, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from hf_sms import SparseSoupConfig, SparseSoupTrainer
+
+    args = make_args(SparseSoupConfig, max_steps=2, target_sparsity=0.8, allocation="uniform")
+    trainer = SparseSoupTrainer(make_t5(), args, train_dataset=t5_dataset, processing_class=byt5_tokenizer)
+    trainer.train()
+    out = str(tmp_path / "final")
+    trainer.save_model(out)
+    assert SparseCheckpoint(out).format == "bitmask"
+    assert json.loads(open(os.path.join(out, "sparsity.json")).read())["sparsity"] == pytest.approx(0.8, abs=0.01)
+    _assert_same_state(trainer.model.eval(), AutoModelForSeq2SeqLM.from_pretrained(out))
