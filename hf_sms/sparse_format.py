@@ -505,7 +505,8 @@ def patch_config(directory: str, library: str, fmt: str) -> None:
     config = _read_json(path)
     if config is None or library not in ("transformers", "timm"):
         return
-    config.pop("quantization_config", None)
+    if (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
+        del config["quantization_config"]
     if library == "timm":
         # transformers' TimmWrapper passes num_classes itself; timm reads it from the top level too.
         config.get("model_args", {}).pop("num_classes", None)
