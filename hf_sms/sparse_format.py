@@ -581,7 +581,7 @@ def _save_family(model: nn.Module, tmp: str, library: str, processing_class=None
         model.save_pretrained(tmp)
         architecture = type(model).__name__
     else:
-        seen: dict[int, str] = {}
+        seen: dict[tuple, str] = {}
         tensors = {}
         for name, t in model.state_dict().items():
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
