@@ -242,7 +242,7 @@ def apply_masks(model: nn.Module, masks: Masks) -> nn.Module:
     tensors = validate_masks(model, masks)
     for name, mask in masks.items():
         param = tensors[name].param
-        param.mul_(mask.to(param.device))
+        param.masked_fill_(~mask.to(param.device), 0.0)  # +0.0, not the -0.0 a multiply leaves
     return model
 
 
