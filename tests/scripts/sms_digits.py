@@ -33,11 +33,7 @@ args = SparseSoupConfig(
     disable_tqdm=True, seed=0, baselines=cli.baselines, merge_method="greedy",
 )  # fmt: skip
 soup, results = run_sms(model, args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
-if (
-    int(os.environ.get("HF_SMS_TEST_RANK", "0")) == 0
-    and torch.distributed.is_initialized() is False
-    or (torch.distributed.is_initialized() and torch.distributed.get_rank() == 0)
-):
+if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
     save_file(
         {k: v.contiguous() for k, v in soup.state_dict().items()}, os.path.join(cli.output_dir, "soup.safetensors")
     )
