@@ -24,7 +24,7 @@ class SparseSoupConfig(TrainingArguments):
         pretrain_epochs. ``num_train_epochs`` / ``max_steps`` set the retraining length R per phase.
         ``lr_scheduler_type`` and ``warmup_steps`` are ignored: the retraining schedule owns the LR.
     Parameters that control the soup:
-        num_replicas, replica_seeds, replica_weight_decays, replica_learning_rates, replica_epochs,
+        num_replicas, replicas_per_phase, replica_seeds, replica_weight_decays, replica_learning_rates, replica_epochs,
         merge_method, greedy_keep_ties, recalibrate_bn, validation_fraction, baselines.
 
     Defaults changed from TrainingArguments: ``save_strategy="no"`` (the SMS loop checkpoints finished
@@ -60,6 +60,10 @@ class SparseSoupConfig(TrainingArguments):
     )
     # Soup
     num_replicas: int = field(default=3, metadata={"help": "Replicas m retrained per phase and merged."})
+    replicas_per_phase: list[int] | None = field(
+        default=None,
+        metadata={"help": "m for each phase, each <= num_replicas (replica i uses the i-th entry of the lists)."},
+    )
     replica_seeds: list[int] | None = field(
         default=None, metadata={"help": "Seed of each replica (default: seed + i)."}
     )
@@ -114,6 +118,14 @@ class SparseSoupConfig(TrainingArguments):
             raise ValueError(f"baselines {unknown} are unknown; choose from {list(BASELINES)}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.replicas_per_phase is not None and (
+            len(self.replicas_per_phase) != self.n_phases
+            or not all(1 <= m <= self.num_replicas for m in self.replicas_per_phase)
+        ):
+            raise ValueError(
+                f"replicas_per_phase={self.replicas_per_phase} needs one m per phase (n_phases={self.n_phases}), "
+                f"each between 1 and num_replicas={self.num_replicas}"
+            )
         for name in ("replica_seeds", "replica_weight_decays", "replica_learning_rates", "replica_epochs"):
             values = getattr(self, name)
             if values is not None and len(values) != self.num_replicas:
@@ -140,10 +152,14 @@ class SparseSoupConfig(TrainingArguments):
             return self.pretrain_min_learning_rate
         return PRETRAIN_SHAPES[self.pretrain_schedule](1.0, self.eta_max, 0.0)
 
-    def replica_overrides(self) -> list[dict]:
-        """The TrainingArguments each replica changes: ``seed`` always, plus whatever lists are set."""
+    def phase_replicas(self, phase: int) -> int:
+        """m of ``phase`` (0-based)."""
+        return self.replicas_per_phase[phase] if self.replicas_per_phase else self.num_replicas
+
+    def replica_overrides(self, phase: int = 0) -> list[dict]:
+        """The TrainingArguments each replica of ``phase`` changes: ``seed`` always, plus the lists that are set."""
         out = []
-        for i in range(self.num_replicas):
+        for i in range(self.phase_replicas(phase)):
             h = {"seed": self.replica_seeds[i] if self.replica_seeds else self.seed + i}
             if self.replica_weight_decays:
                 h["weight_decay"] = self.replica_weight_decays[i]

@@ -169,10 +169,9 @@ class ReplicaWorld:
         return total.cpu()
 
     @torch.no_grad()
-    def pairwise_l2(self, local: dict[int, torch.nn.Module], n: int) -> list[float]:
-        """L2 distance between every pair of the ``n`` replicas' parameters, in (i, j), i < j order."""
+    def pairwise_l2(self, local: dict[int, torch.nn.Module], n: int, numel: int) -> list[float]:
+        """L2 distance between every pair of the ``n`` replicas (``numel`` parameters each), i < j order."""
         flats = {i: torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]) for i, m in local.items()}
-        numel = next(iter(flats.values())).numel()  # every group holds at least one replica
         dists = {}
         for j in range(n):  # the owner of j shares it; every group measures its own replicas against it
             ref = self._from_owner(flats.get(j), j, numel)

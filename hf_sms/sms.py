@@ -31,7 +31,7 @@ logger = logging.getLogger("hf_sms")
 # Config fields a finished replica depends on: a resumed run must match them.
 _RUN_KEYS = (
     "target_sparsity n_phases allocation retrain_schedule pretrain_learning_rate pretrain_min_learning_rate "
-    "pretrain_schedule pretrain_epochs num_replicas replica_seeds replica_weight_decays replica_learning_rates "
+    "pretrain_schedule pretrain_epochs num_replicas replicas_per_phase replica_seeds replica_weight_decays replica_learning_rates "
     "replica_epochs seed learning_rate weight_decay num_train_epochs max_steps per_device_train_batch_size "
     "gradient_accumulation_steps optim optim_args max_grad_norm"
 ).split()
@@ -87,7 +87,7 @@ class SparseModelSoup:
             self._phase_start = time.perf_counter()
             step = prune(model, sparsity, a.allocation, masks, sync=self.world.broadcast_masks)  # Step 1: prune
             masks = step.masks
-            hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides()]
+            hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
             candidates = {  # Step 2: retrain m copies with hyperparameters h_i, this process's share of them
                 i: self.recalibrate(self.train_replica(model, step, hparams[i], f"sms/phase{p + 1}/replica{i}"))
                 for i in self.world.owned(len(hparams))
@@ -98,12 +98,7 @@ class SparseModelSoup:
             self._record_sms(p, sparsity, candidates, val, soups)
         self.final_soup = model
         if "imp_mx" in a.baselines:
-            m = a.num_replicas  # same total compute as SMS: one replica, m times as long
-            scale = {
-                "num_train_epochs": a.num_train_epochs * m,
-                "max_steps": a.max_steps * m if a.max_steps > 0 else -1,
-            }
-            self.run_imp("imp_mx", dataclasses.replace(a, **scale), n_tracks=1)
+            self.run_imp("imp_mx", a, n_tracks=1, times_m=True)
         if "imp" in a.baselines or "imp_reprune" in a.baselines:
             self.run_imp("imp", a, n_tracks=a.num_replicas if "imp_reprune" in a.baselines else 1)
         self._save_results()
@@ -116,7 +111,9 @@ class SparseModelSoup:
     def recipe(self) -> dict:
         """What made the soup, for ``sparsity.json`` and the model card."""
         a = self.args
-        return {"phases": self.results["phases"], "m": a.num_replicas, "replicas": a.replica_overrides(),
+        n = range(a.n_phases)
+        return {"phases": self.results["phases"], "m": [a.phase_replicas(p) for p in n],
+                "replicas": [a.replica_overrides(p) for p in n],
                 "merge_method": a.merge_method, "retrain_schedule": a.retrain_schedule, "allocation": a.allocation,
                 "num_train_epochs": a.num_train_epochs, "max_steps": a.max_steps}  # fmt: skip
 
@@ -124,7 +121,7 @@ class SparseModelSoup:
         row = self.results["rows"][f"sms_{self.args.merge_method}"][-1]
         return {k: row[k] for k in ("val", "test", "speedup") if row.get(k) is not None}
 
-    def run_imp(self, name: str, args: SparseSoupConfig, n_tracks: int) -> None:
+    def run_imp(self, name: str, args: SparseSoupConfig, n_tracks: int, times_m: bool = False) -> None:
         """IMP (m=1) trajectories with seeds seed+i, in lockstep and parallel like replicas; with several
         tracks also IMP-RePrune: their average, re-pruned to the phase's sparsity (their masks diverge)."""
         tracks = {i: copy.deepcopy(self.pretrained) for i in self.world.owned(n_tracks)}
@@ -134,6 +131,10 @@ class SparseModelSoup:
                 step = prune(tracks[i], sparsity, args.allocation, masks[i])
                 masks[i] = step.masks
                 h = dataclasses.replace(args, seed=args.seed + i)
+                if times_m:  # IMP_mx: same total compute as SMS, one replica m times as long
+                    m = args.phase_replicas(p)
+                    h = dataclasses.replace(h, num_train_epochs=h.num_train_epochs * m,
+                                            max_steps=h.max_steps * m if h.max_steps > 0 else -1)  # fmt: skip
                 tracks[i] = self.recalibrate(self.train_replica(tracks[i], step, h, f"{name}/phase{p + 1}/track{i}"))
             self._record(name, p, self.world.gather({0: self._measure(tracks[0])} if 0 in tracks else {})[0])
             if n_tracks > 1:
@@ -175,7 +176,8 @@ class SparseModelSoup:
 
     def merge(self, template: nn.Module, candidates: dict[int, nn.Module], val: list[float]) -> dict[str, nn.Module]:
         """Uniform and greedy soups of all m candidates, wherever they live, BatchNorm recalibrated."""
-        check_same_masks(list(candidates.values()))  # across processes the mask is the same by broadcast
+        if candidates:  # across processes the mask is the same by broadcast
+            check_same_masks(list(candidates.values()))
         local, ref = self._state_dicts(candidates), template.state_dict()
 
         def soup(indices) -> nn.Module:
@@ -241,15 +243,16 @@ class SparseModelSoup:
         self._record("best_candidate", p, {**measured, "test": test[best]}, index=best)
         mean = {k: sum(v) / len(v) if None not in v else None for k, v in (("val", val), ("test", test))}
         self._record("mean_candidate", p, {**measured, **mean})
+        numel = sum(t.numel() for t in soups["uniform"].parameters())
         diag = {"phase": p + 1, "target_sparsity": sparsity, "candidates_val": val, "candidates_test": test,
-                "pairwise_l2": self.world.pairwise_l2(cands, len(val)),
+                "pairwise_l2": self.world.pairwise_l2(cands, len(val), numel),
                 "continued_with": self.args.merge_method,
                 "seconds": round(time.perf_counter() - self._phase_start, 3)}  # fmt: skip
         if hasattr(self.metric_fn, "predict") and hasattr(self.metric_fn, "score"):
             for split, dataset in (("val", self.eval_dataset), ("test", self.test_dataset)):
                 if dataset is not None:
                     preds = {i: self.metric_fn.predict(c, dataset) for i, c in cands.items()}
-                    shape = next(iter(preds.values())).shape
+                    shape = next(iter(self.world.gather({i: tuple(t.shape) for i, t in preds.items()}).values()))
                     mean_preds = self.world.sum_tensors(preds, shape) / len(val)
                     diag[f"ensemble_{split}"] = float(self.metric_fn.score(mean_preds, dataset))
         self.results["sms"].append(diag)

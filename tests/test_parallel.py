@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 SCRIPTS = Path(__file__).parent / "scripts"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+REPO = str(Path(__file__).parent.parent)  # this checkout's hf_sms, whichever one pip installed
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
 
 
 def _cmd(nproc: int, script: str, *args) -> list[str]:
@@ -59,6 +60,16 @@ def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
         assert p["candidates_val"] == s["candidates_val"] and p["ensemble_test"] == s["ensemble_test"]
         assert p["pairwise_l2"] == pytest.approx(s["pairwise_l2"], rel=1e-9)
         assert p["pairwise_l2"][0] > 0  # the replicas really differ before the merge
+
+
+def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
+    # m = 2 then 1 on 2 processes: the second process owns no replica in phase 2 but joins every collective
+    outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
+    for n, out in outs.items():
+        _run(_cmd(n, "sms_digits.py", out, "--per-phase", "2", "1"))
+    assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
+    par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
+    assert par["rows"] == seq["rows"] and [len(d["candidates_val"]) for d in par["sms"]] == [2, 1]
 
 
 def _kill_when(cmd, marker: Path, timeout=240) -> None:

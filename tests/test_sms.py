@@ -145,3 +145,18 @@ def test_corrupt_run_json_or_replica_gives_a_clear_error(tmp_path, digits):
     (tmp_path / "run" / "run.json").write_text("{not json")
     with pytest.raises(ValueError, match="run.json is corrupt"):
         run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val)
+
+
+def test_m_may_differ_per_phase(tmp_path, digits):
+    train, val, _ = digits
+    decays = [0.0, 1e-4, 1e-3]
+    args = _args(tmp_path, n_phases=2, num_replicas=3, replicas_per_phase=[3, 2], replica_weight_decays=decays,
+                 baselines=["imp_mx"])  # fmt: skip
+    runner = SparseModelSoup(DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val)
+    runner.run()
+    assert [len(d["candidates_val"]) for d in runner.results["sms"]] == [3, 2]
+    assert [len(d["pairwise_l2"]) for d in runner.results["sms"]] == [3, 1]
+    assert runner.recipe()["m"] == [3, 2] and runner.recipe()["replicas"][1][1]["weight_decay"] == 1e-4
+    assert not (tmp_path / "run" / "sms" / "phase2" / "replica2").exists()
+    with pytest.raises(ValueError, match="replicas_per_phase=.*one m per phase"):
+        _args(tmp_path, n_phases=2, num_replicas=2, replicas_per_phase=[3, 2])
