@@ -31,7 +31,8 @@ logger = logging.getLogger("hf_sms")
 # Config fields a finished replica depends on: a resumed run must match them.
 _RUN_KEYS = (
     "target_sparsity n_phases allocation retrain_schedule pretrain_learning_rate pretrain_min_learning_rate "
-    "pretrain_schedule pretrain_epochs num_replicas replicas_per_phase replica_seeds replica_weight_decays replica_learning_rates "
+    "pretrain_schedule pretrain_epochs num_replicas replicas_per_phase replica_seeds replica_weight_decays "
+    "replica_learning_rates "
     "replica_epochs seed learning_rate weight_decay num_train_epochs max_steps per_device_train_batch_size "
     "gradient_accumulation_steps optim optim_args max_grad_norm"
 ).split()
