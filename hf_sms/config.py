@@ -9,6 +9,7 @@ from transformers.trainer_utils import SaveStrategy
 
 from .pruning import ALLOCATIONS, phase_sparsities
 from .schedules import PRETRAIN_SHAPES, RETRAIN_SCHEDULES
+from .seeding import derive_seed
 
 BASELINES = ("imp", "imp_mx", "imp_reprune")
 
@@ -21,14 +22,20 @@ class SparseSoupConfig(TrainingArguments):
         target_sparsity, n_phases, allocation.
     Parameters that control retraining (METHOD.md §3):
         retrain_schedule, pretrain_learning_rate, pretrain_min_learning_rate, pretrain_schedule,
-        pretrain_epochs. ``num_train_epochs`` / ``max_steps`` set the retraining length R per phase.
-        ``lr_scheduler_type`` and ``warmup_steps`` are ignored: the retraining schedule owns the LR.
+        pretrain_epochs, retrain_warmup_fraction (``warmup_steps``, if set, takes precedence),
+        decay_all_parameters. ``num_train_epochs`` / ``max_steps`` set the retraining length R per phase.
+        ``lr_scheduler_type`` is ignored: the retraining schedule owns the LR.
     Parameters that control the soup:
         num_replicas, replicas_per_phase, replica_seeds, replica_weight_decays, replica_learning_rates, replica_epochs,
-        merge_method, greedy_keep_ties, recalibrate_bn, validation_fraction, baselines.
+        merge_methods, greedy_keep_ties, recalibrate_bn, validation_fraction, baselines.
 
-    Defaults changed from TrainingArguments: ``save_strategy="no"`` (the SMS loop checkpoints finished
-    replicas itself), ``logging_steps=50``.
+    Replica i of phase p (0-based) trains with seed ``derive_seed(seed, "sms", p, i)`` (or
+    ``derive_seed(replica_seeds[i], "sms", p)``): independent streams for shuffling, augmentation and
+    dropout, never ``seed + i`` (see :mod:`hf_sms.seeding`).
+
+    Defaults changed from TrainingArguments, to the paper's settings: ``max_grad_norm=0`` (no gradient
+    clipping), weight decay on every parameter (``decay_all_parameters``); and ``save_strategy="no"``
+    (the SMS loop checkpoints finished replicas itself), ``logging_steps=50``.
     """
 
     # Pruning
@@ -58,6 +65,20 @@ class SparseSoupConfig(TrainingArguments):
     pretrain_epochs: float | None = field(
         default=None, metadata={"help": "Length T of the original training in epochs (needed by LRW, SLR, ALLR)."}
     )
+    retrain_warmup_fraction: float = field(
+        default=0.1,
+        metadata={
+            "help": "Fraction of each retraining phase warmed up (cosine from 0) for SLR, CLR, LLR, ALLR, as in the "
+            "paper's code. A positive warmup_steps (steps, or a ratio < 1) overrides it."
+        },
+    )
+    decay_all_parameters: bool = field(
+        default=True,
+        metadata={
+            "help": "Weight decay on every parameter, biases and norms included, as torch.optim.SGD in the paper's "
+            "code; False: transformers' default (no decay on biases and LayerNorm weights)."
+        },
+    )
     # Soup
     num_replicas: int = field(default=3, metadata={"help": "Replicas m retrained per phase and merged."})
     replicas_per_phase: list[int] | None = field(
@@ -65,18 +86,29 @@ class SparseSoupConfig(TrainingArguments):
         metadata={"help": "m for each phase, each <= num_replicas (replica i uses the i-th entry of the lists)."},
     )
     replica_seeds: list[int] | None = field(
-        default=None, metadata={"help": "Seed of each replica (default: seed + i)."}
+        default=None,
+        metadata={"help": "Base seed of each replica; phase p uses derive_seed(replica_seeds[i], 'sms', p)."},
     )
     replica_weight_decays: list[float] | None = field(
         default=None, metadata={"help": "Weight decay of each replica (default: weight_decay for all)."}
     )
     replica_learning_rates: list[float] | None = field(
-        default=None, metadata={"help": "Initial (peak) retraining LR of each replica (default: learning_rate)."}
+        default=None,
+        metadata={
+            "help": "Start LR of each replica; replicas then retrain with LLR from their own rate (the paper's code "
+            "switches to LLR when the LR is what varies)."
+        },
     )
     replica_epochs: list[float] | None = field(
         default=None, metadata={"help": "Retraining epochs of each replica (default: num_train_epochs)."}
     )
-    merge_method: str = field(default="uniform", metadata={"help": "How replicas are merged: uniform or greedy."})
+    merge_methods: list[str] = field(
+        default_factory=lambda: ["uniform"],
+        metadata={
+            "help": "Soup methods, each its own SMS trajectory (phase p+1 starts from that method's soup); the first "
+            "is the final soup. E.g. uniform greedy."
+        },
+    )
     greedy_keep_ties: bool = field(
         default=False, metadata={"help": "Greedy soup keeps a candidate that ties the metric (the SMS code's >=)."}
     )
@@ -94,6 +126,7 @@ class SparseSoupConfig(TrainingArguments):
     )
 
     # Changed TrainingArguments defaults.
+    max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping norm; 0: none (the paper's)."})
     save_strategy: SaveStrategy | str = field(
         default="no", metadata={"help": "Checkpoint strategy inside one replica's training."}
     )
@@ -108,8 +141,12 @@ class SparseSoupConfig(TrainingArguments):
             "allocation": (self.allocation, ALLOCATIONS),
             "retrain_schedule": (self.retrain_schedule, RETRAIN_SCHEDULES),
             "pretrain_schedule": (self.pretrain_schedule, PRETRAIN_SHAPES),
-            "merge_method": (self.merge_method, MERGE_METHODS),
         }
+        if not self.merge_methods or len(set(self.merge_methods)) != len(self.merge_methods):
+            raise ValueError(f"merge_methods={self.merge_methods} must name each soup method once, e.g. ['uniform']")
+        unknown = sorted(set(self.merge_methods) - set(MERGE_METHODS))
+        if unknown:
+            raise ValueError(f"merge_methods {unknown} are unknown; choose from {sorted(MERGE_METHODS)}")
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(allowed)}")
@@ -132,6 +169,13 @@ class SparseSoupConfig(TrainingArguments):
                 raise ValueError(
                     f"{name} has {len(values)} entries but num_replicas={self.num_replicas}; give one per replica"
                 )
+        if self.replica_epochs is not None and self.max_steps > 0:
+            raise ValueError(
+                "replica_epochs varies the retraining length in epochs, but max_steps > 0 fixes it in steps; "
+                "set max_steps=-1 (the default) or drop replica_epochs"
+            )
+        if not 0.0 <= self.retrain_warmup_fraction < 1.0:
+            raise ValueError(f"retrain_warmup_fraction must be in [0, 1), got {self.retrain_warmup_fraction}")
         if not 0.0 < self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
         if self.retrain_schedule in ("lrw", "slr", "allr") and not self.pretrain_epochs:
@@ -160,12 +204,21 @@ class SparseSoupConfig(TrainingArguments):
         """The TrainingArguments each replica of ``phase`` changes: ``seed`` always, plus the lists that are set."""
         out = []
         for i in range(self.phase_replicas(phase)):
-            h = {"seed": self.replica_seeds[i] if self.replica_seeds else self.seed + i}
+            key = (self.replica_seeds[i], "sms", phase) if self.replica_seeds else (self.seed, "sms", phase, i)
+            h = {"seed": derive_seed(*key)}
             if self.replica_weight_decays:
                 h["weight_decay"] = self.replica_weight_decays[i]
-            if self.replica_learning_rates:  # the peak the retraining schedule restarts at
+            if self.replica_learning_rates:  # LLR from lr_i: the replica starts at its own rate, not ALLR's clip
                 h["learning_rate"] = h["pretrain_learning_rate"] = self.replica_learning_rates[i]
+                h["retrain_schedule"] = "llr"
             if self.replica_epochs:
                 h["num_train_epochs"] = self.replica_epochs[i]
             out.append(h)
         return out
+
+    def phase_budget(self, phase: int) -> dict:
+        """IMP_mx's retraining length in ``phase``: the sum of what the phase's m replicas train."""
+        if self.max_steps > 0:
+            return {"max_steps": self.max_steps * self.phase_replicas(phase)}
+        epochs = [h.get("num_train_epochs", self.num_train_epochs) for h in self.replica_overrides(phase)]
+        return {"num_train_epochs": float(sum(epochs)), "max_steps": -1}

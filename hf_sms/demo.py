@@ -83,7 +83,7 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
         num_replicas=2 if quick else 3, retrain_schedule="allr", pretrain_epochs=pre_epochs, pretrain_learning_rate=lr,
         learning_rate=lr, num_train_epochs=retrain_epochs, per_device_train_batch_size=64, optim="sgd",
         optim_args="momentum=0.9,nesterov=true", weight_decay=5e-4, seed=seed, use_cpu=True, disable_tqdm=True,
-        baselines=["imp", "imp_mx"], merge_method="uniform",
+        baselines=["imp", "imp_mx"], merge_methods=["uniform"],
     )  # fmt: skip
     runner = SparseModelSoup(model, args, train, accuracy, eval_dataset=val, test_dataset=test)
     runner.run()

@@ -33,8 +33,9 @@ def metric_table(runs: list[dict], split: str = "test") -> dict[str, list[list[f
     table: dict[str, list[list[float]]] = {}
     for run in runs:
         rows = dict(run["rows"])
-        if run.get("sms") and f"ensemble_{split}" in run["sms"][0]:
-            rows["ensemble"] = [{split: d[f"ensemble_{split}"]} for d in run["sms"]]
+        sms = [d for d in run.get("sms", []) if d.get("trajectory") == run["sms"][0].get("trajectory")]
+        if sms and f"ensemble_{split}" in sms[0]:  # the candidates of the first (reported) trajectory
+            rows["ensemble"] = [{split: d[f"ensemble_{split}"]} for d in sms]
         for method, phases in rows.items():
             cols = table.setdefault(method, [[] for _ in phases])
             for col, row in zip(cols, phases):

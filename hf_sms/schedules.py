@@ -32,6 +32,7 @@ class ScheduleContext:
         pretrain_shape: name in ``PRETRAIN_SHAPES`` of the original schedule (LRW, SLR).
         length_ratio: R / T, retraining length over original training length (in epochs).
         start_lr: ALLR's start rate eta_0 (see :func:`allr_start_lr`).
+        n_warmup: warm-up iterations of SLR, CLR, LLR and ALLR (default: ``ceil(0.1 R)``, the paper's 10%).
     """
 
     total_steps: int
@@ -40,17 +41,18 @@ class ScheduleContext:
     pretrain_shape: str = "linear"
     length_ratio: float = 1.0
     start_lr: float | None = None
+    n_warmup: int | None = None
 
     def original(self, u: float) -> float:
         return PRETRAIN_SHAPES[self.pretrain_shape](min(max(u, 0.0), 1.0), self.lr_max, self.lr_min)
 
     @property
     def warmup_steps(self) -> int:
-        return math.ceil(0.1 * self.total_steps)
+        return math.ceil(0.1 * self.total_steps) if self.n_warmup is None else min(self.n_warmup, self.total_steps)
 
 
 def _with_warmup(step: int, ctx: ScheduleContext, start: float, decay: Callable[[float], float]) -> float:
-    """Cosine warm-up over the first 0.1 R steps from 0 to ``start``, then ``decay(tau)``, tau in [0, 1]."""
+    """Cosine warm-up over ``ctx.warmup_steps`` steps from 0 to ``start``, then ``decay(tau)``, tau in [0, 1]."""
     w = ctx.warmup_steps
     if step < w:
         return start * 0.5 * (1.0 - math.cos(math.pi * step / w))

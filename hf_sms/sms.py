@@ -24,6 +24,7 @@ from .evaluation import MetricFn, theoretical_speedup
 from .merge import check_same_masks, greedy_select
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
 from .results import save_results
+from .seeding import derive_seed
 from .sparse_format import save_sparse
 from .trainer import SparseSoupTrainer
 
@@ -34,8 +35,11 @@ _RUN_KEYS = (
     "pretrain_schedule pretrain_epochs num_replicas replicas_per_phase replica_seeds replica_weight_decays "
     "replica_learning_rates "
     "replica_epochs seed learning_rate weight_decay num_train_epochs max_steps per_device_train_batch_size "
-    "gradient_accumulation_steps optim optim_args max_grad_norm"
+    "gradient_accumulation_steps optim optim_args max_grad_norm decay_all_parameters retrain_warmup_fraction "
+    "warmup_steps merge_methods"
 ).split()
+# Below this mean pairwise disagreement (% of validation examples) replicas are near copies (METHOD §9).
+MIN_DISAGREEMENT = 0.5
 MODEL_FILE = "model.safetensors"
 
 
@@ -80,24 +84,12 @@ class SparseModelSoup:
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
     def run(self) -> nn.Module:
-        """Run SMS, then the baselines; returns the final soup. Results are in ``self.results``."""
+        """Run SMS (one trajectory per soup method), then the baselines; returns the final soup of the first
+        method. Results are in ``self.results``."""
         a = self.args
         self._check_output_dir()
-        model, masks = copy.deepcopy(self.pretrained), None
-        for p, sparsity in enumerate(self.results["phases"]):
-            self._phase_start = time.perf_counter()
-            step = prune(model, sparsity, a.allocation, masks, sync=self.world.broadcast_masks)  # Step 1: prune
-            masks = step.masks
-            hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
-            candidates = {  # Step 2: retrain m copies with hyperparameters h_i, this process's share of them
-                i: self.recalibrate(self.train_replica(model, step, hparams[i], f"sms/phase{p + 1}/replica{i}"))
-                for i in self.world.owned(len(hparams))
-            }
-            val = self._gather_metric(candidates, self.eval_dataset)
-            soups = self.merge(model, candidates, val)  # Step 3: average into one model with the same mask
-            model = soups[a.merge_method]
-            self._record_sms(p, sparsity, candidates, val, soups)
-        self.final_soup = model
+        soups = {method: self.run_trajectory(method) for method in a.merge_methods}
+        self.final_soup = model = soups[a.merge_methods[0]]
         if "imp_mx" in a.baselines:
             self.run_imp("imp_mx", a, n_tracks=1, times_m=True)
         if "imp" in a.baselines or "imp_reprune" in a.baselines:
@@ -109,33 +101,51 @@ class SparseModelSoup:
                         processing_class=self.processing_class)  # fmt: skip
         return model
 
+    def run_trajectory(self, method: str) -> nn.Module:
+        """Algorithm 1 with ``method`` as Merge: every phase starts from the previous phase's ``method`` soup."""
+        a = self.args
+        model, masks = copy.deepcopy(self.pretrained), None
+        for p, sparsity in enumerate(self.results["phases"]):
+            self._phase_start = time.perf_counter()
+            step = prune(model, sparsity, a.allocation, masks, sync=self.world.broadcast_masks)  # Step 1: prune
+            masks = step.masks
+            hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
+            # Phase 1 starts from the same pruned model in every trajectory: its replicas are trained once.
+            folder = f"sms/phase{p + 1}" if p == 0 or method == a.merge_methods[0] else f"sms-{method}/phase{p + 1}"
+            candidates = {  # Step 2: retrain m copies with hyperparameters h_i, this process's share of them
+                i: self.recalibrate(self.train_replica(model, step, hparams[i], f"{folder}/replica{i}"))
+                for i in self.world.owned(len(hparams))
+            }
+            val = self._gather_metric(candidates, self.eval_dataset)
+            model, kept = self.merge(method, model, candidates, val)  # Step 3: one model with the same mask
+            self._record_sms(method, p, sparsity, candidates, val, model, kept)
+        return model
+
     def recipe(self) -> dict:
         """What made the soup, for ``sparsity.json`` and the model card."""
         a = self.args
         n = range(a.n_phases)
         return {"phases": self.results["phases"], "m": [a.phase_replicas(p) for p in n],
                 "replicas": [a.replica_overrides(p) for p in n],
-                "merge_method": a.merge_method, "retrain_schedule": a.retrain_schedule, "allocation": a.allocation,
+                "merge_method": a.merge_methods[0], "retrain_schedule": a.retrain_schedule, "allocation": a.allocation,
                 "num_train_epochs": a.num_train_epochs, "max_steps": a.max_steps}  # fmt: skip
 
     def final_metrics(self) -> dict:
-        row = self.results["rows"][f"sms_{self.args.merge_method}"][-1]
+        row = self.results["rows"][f"sms_{self.args.merge_methods[0]}"][-1]
         return {k: row[k] for k in ("val", "test", "speedup") if row.get(k) is not None}
 
     def run_imp(self, name: str, args: SparseSoupConfig, n_tracks: int, times_m: bool = False) -> None:
-        """IMP (m=1) trajectories with seeds seed+i, in lockstep and parallel like replicas; with several
-        tracks also IMP-RePrune: their average, re-pruned to the phase's sparsity (their masks diverge)."""
+        """IMP (m=1) trajectories, each with its own random stream, in lockstep and parallel like replicas; with
+        several tracks also IMP-RePrune: their average, re-pruned to the phase's sparsity (their masks diverge)."""
         tracks = {i: copy.deepcopy(self.pretrained) for i in self.world.owned(n_tracks)}
         masks = dict.fromkeys(tracks)
         for p, sparsity in enumerate(self.results["phases"]):
             for i in tracks:  # no mask broadcast: IMP runs are independent
                 step = prune(tracks[i], sparsity, args.allocation, masks[i])
                 masks[i] = step.masks
-                h = dataclasses.replace(args, seed=args.seed + i)
-                if times_m:  # IMP_mx: same total compute as SMS, one replica m times as long
-                    m = args.phase_replicas(p)
-                    h = dataclasses.replace(h, num_train_epochs=h.num_train_epochs * m,
-                                            max_steps=h.max_steps * m if h.max_steps > 0 else -1)  # fmt: skip
+                h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))
+                if times_m:  # IMP_mx: the compute SMS spends in this phase, in one replica
+                    h = dataclasses.replace(h, **args.phase_budget(p))
                 tracks[i] = self.recalibrate(self.train_replica(tracks[i], step, h, f"{name}/phase{p + 1}/track{i}"))
             self._record(name, p, self.world.gather({0: self._measure(tracks[0])} if 0 in tracks else {})[0])
             if n_tracks > 1:
@@ -175,22 +185,22 @@ class SparseModelSoup:
             os.replace(path + ".tmp", path)  # a half-written replica is never taken as finished
         return model
 
-    def merge(self, template: nn.Module, candidates: dict[int, nn.Module], val: list[float]) -> dict[str, nn.Module]:
-        """Uniform and greedy soups of all m candidates, wherever they live, BatchNorm recalibrated."""
+    def merge(self, method: str, template: nn.Module, candidates: dict[int, nn.Module], val: list[float]):
+        """``(soup, kept indices)``: the ``method`` soup of the m candidates, wherever they live, BatchNorm
+        recalibrated. Uniform keeps all; greedy adds candidates best-first while validation improves."""
         if candidates:  # across processes the mask is the same by broadcast
             check_same_masks(list(candidates.values()))
         local, ref = self._state_dicts(candidates), template.state_dict()
 
         def soup(indices) -> nn.Module:
-            return self.recalibrate(self._load(template, self.world.average(local, list(indices), ref)))
+            return self.recalibrate(self._load(template, self.world.average(local, sorted(indices), ref)))
 
-        uniform = soup(range(len(val)))
-        kept, _ = greedy_select(
-            val, lambda idx: self.evaluate(soup(idx), self.eval_dataset), self.args.greedy_keep_ties
-        )
-        greedy = uniform if len(kept) == len(val) else soup(sorted(kept))
-        self._greedy_kept = kept
-        return {"uniform": uniform, "greedy": greedy}
+        kept = list(range(len(val)))
+        if method == "greedy":
+            kept, _ = greedy_select(
+                val, lambda idx: self.evaluate(soup(idx), self.eval_dataset), self.args.greedy_keep_ties
+            )
+        return soup(kept), sorted(kept)
 
     def recalibrate(self, model: nn.Module) -> nn.Module:
         if self.args.recalibrate_bn and has_batchnorm(model):
@@ -234,30 +244,74 @@ class SparseModelSoup:
             logger.info("[hf-sms] phase %d %s: sparsity %.4f val %s test %s", phase + 1, method, row["sparsity"],
                         _fmt(row["val"]), _fmt(row["test"]))  # fmt: skip
 
-    def _record_sms(self, p: int, sparsity: float, cands: dict[int, nn.Module], val: list, soups: dict) -> None:
+    def _record_sms(self, method: str, p: int, sparsity: float, cands: dict, val: list, soup, kept: list) -> None:
         test = self._gather_metric(cands, self.test_dataset)
-        best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
-        self._record("sms_uniform", p, self._measure(soups["uniform"]))
-        self._record("sms_greedy", p, self._measure(soups["greedy"]), kept=sorted(self._greedy_kept))
-        same = {k: self.results["rows"]["sms_uniform"][-1][k] for k in ("sparsity", "speedup")}  # same mask
-        measured = {**same, "val": val[best]}
-        self._record("best_candidate", p, {**measured, "test": test[best]}, index=best)
-        mean = {k: sum(v) / len(v) if None not in v else None for k, v in (("val", val), ("test", test))}
-        self._record("mean_candidate", p, {**measured, **mean})
-        numel = sum(t.numel() for t in soups["uniform"].parameters())
-        diag = {"phase": p + 1, "target_sparsity": sparsity, "candidates_val": val, "candidates_test": test,
-                "pairwise_l2": self.world.pairwise_l2(cands, len(val), numel),
-                "continued_with": self.args.merge_method,
-                "seconds": round(time.perf_counter() - self._phase_start, 3)}  # fmt: skip
-        if hasattr(self.metric_fn, "predict") and hasattr(self.metric_fn, "score"):
-            for split, dataset in (("val", self.eval_dataset), ("test", self.test_dataset)):
-                if dataset is not None:
-                    preds = {i: self.metric_fn.predict(c, dataset) for i, c in cands.items()}
-                    shape = next(iter(self.world.gather({i: tuple(t.shape) for i, t in preds.items()}).values()))
-                    mean_preds = self.world.sum_tensors(preds, shape) / len(val)
-                    diag[f"ensemble_{split}"] = float(self.metric_fn.score(mean_preds, dataset))
+        self._record(f"sms_{method}", p, self._measure(soup), kept=kept)
+        primary = method == self.args.merge_methods[0]
+        if primary:  # the candidates of the trajectory reported as the final soup
+            best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
+            same = {k: self.results["rows"][f"sms_{method}"][-1][k] for k in ("sparsity", "speedup")}  # same mask
+            self._record("best_candidate", p, {**same, "val": val[best], "test": test[best]}, index=best)
+            mean = {k: sum(v) / len(v) if None not in v else None for k, v in (("val", val), ("test", test))}
+            self._record("mean_candidate", p, {**same, **mean})
+        numel = sum(t.numel() for t in soup.parameters())
+        diag = {
+            "phase": p + 1,
+            "trajectory": method,
+            "target_sparsity": sparsity,
+            "candidates_val": val,
+            "candidates_test": test,
+            "pairwise_l2": self.world.pairwise_l2(cands, len(val), numel),
+            **self._diversity(cands, val),
+            "seconds": round(time.perf_counter() - self._phase_start, 3),
+        }
         self.results["sms"].append(diag)
+        if self.world.is_main and primary:
+            self._log_diversity(diag)
         self._save_results()
+
+    def _diversity(self, cands: dict[int, nn.Module], val: list) -> dict:
+        """The prediction ensemble per split and, on validation, how often the replicas disagree (METHOD §8-9).
+
+        Needs a metric with ``predict``/``score`` (as :class:`ClassificationAccuracy`); otherwise ``{}``.
+        """
+        if not (hasattr(self.metric_fn, "predict") and hasattr(self.metric_fn, "score")):
+            return {}
+        out = {}
+        for split, dataset in (("val", self.eval_dataset), ("test", self.test_dataset)):
+            if dataset is None:
+                continue
+            preds = {i: self.metric_fn.predict(c, dataset) for i, c in cands.items()}
+            labels = self.world.gather({i: t.argmax(-1) for i, t in preds.items()})
+            shape = tuple(next(iter(labels.values())).shape) + (next(iter(preds.values())).shape[-1],)
+            mean_preds = self.world.sum_tensors(preds, shape) / len(val)
+            out[f"ensemble_{split}"] = float(self.metric_fn.score(mean_preds, dataset))
+            if split == "val":
+                pairs = [(i, j) for i in range(len(val)) for j in range(i + 1, len(val))]
+                rates = [100.0 * float((labels[i] != labels[j]).float().mean()) for i, j in pairs]
+                out["disagreement_val"] = sum(rates) / len(rates) if rates else 0.0
+                out["ensemble_minus_best_val"] = out["ensemble_val"] - max(val)
+        return out
+
+    @staticmethod
+    def _log_diversity(diag: dict) -> None:
+        l2 = diag["pairwise_l2"]
+        logger.info(
+            "[hf-sms] phase %d replicas: disagreement %s%% of val, ensemble - best %s, mean pairwise L2 %s",
+            diag["phase"],
+            _fmt(diag.get("disagreement_val")),
+            _fmt(diag.get("ensemble_minus_best_val")),
+            _fmt(sum(l2) / len(l2) if l2 else None),
+        )
+        if len(diag["candidates_val"]) > 1 and diag.get("disagreement_val", MIN_DISAGREEMENT) < MIN_DISAGREEMENT:
+            logger.warning(
+                "[hf-sms] phase %d: the replicas disagree on only %.2f%% of validation examples, so a soup cannot gain "
+                "over its candidates. Make them differ more: independent seeds with data augmentation, different "
+                "weight decays (replica_weight_decays) or learning rates (replica_learning_rates), or longer "
+                "retraining (num_train_epochs)",
+                diag["phase"],
+                diag["disagreement_val"],
+            )
 
     def _save_results(self) -> None:
         if self.world.is_main:

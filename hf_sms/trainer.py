@@ -6,17 +6,19 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from .batchnorm import recalibrate_batchnorm
 from .config import SparseSoupConfig
 from .masking import MaskEnforcer
 from .pruning import Masks, PruningStep, apply_masks, prune
 from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler
+from .seeding import EpochShuffleSampler
 from .sparse_format import save_sparse
 
 MASKS_NAME = "sparse_masks.safetensors"
@@ -142,15 +144,19 @@ class SparseSoupTrainer(Trainer):
         torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def _get_train_sampler(self, train_dataset=None):
-        if self.process_group is None:
-            return super()._get_train_sampler(train_dataset)
+        # Transformers' RandomSampler becomes accelerate's SeedableRandomSampler, which seeds epoch e with
+        # seed + e: replicas seeded s and s + 1 would replay each other's orders one epoch apart.
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return torch.utils.data.DistributedSampler(
-            dataset,
-            num_replicas=torch.distributed.get_world_size(self.process_group),
-            rank=torch.distributed.get_rank(self.process_group),
-            seed=self.args.seed,
-        )
+        if self.args.train_sampling_strategy != "random" or dataset is None or not has_length(dataset):
+            return super()._get_train_sampler(train_dataset)
+        group = self.process_group
+        shards = {"num_shards": dist.get_world_size(group), "shard": dist.get_rank(group)} if group else {}
+        return EpochShuffleSampler(len(dataset), self.args.seed, **shards)
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        if self.args.decay_all_parameters:  # torch.optim.SGD(model.parameters(), weight_decay=...) as in the paper
+            return [name for name, _ in model.named_parameters()]
+        return super().get_decay_parameter_names(model)
 
     # -- retraining schedule ------------------------------------------------------------------------
     def _retrain_epochs(self, num_training_steps: int) -> float:
@@ -169,7 +175,14 @@ class SparseSoupTrainer(Trainer):
             start = allr_start_lr(
                 self.pruning_step.norm_fraction, self.pruning_step.phase_fraction, args.eta_max, ratio
             )
-            ctx = ScheduleContext(num_training_steps, args.eta_max, args.eta_min, args.pretrain_schedule, ratio, start)
+            warmup = (
+                args.get_warmup_steps(num_training_steps)
+                if args.warmup_steps > 0
+                else math.ceil(args.retrain_warmup_fraction * num_training_steps)
+            )
+            ctx = ScheduleContext(
+                num_training_steps, args.eta_max, args.eta_min, args.pretrain_schedule, ratio, start, warmup
+            )
             self.lr_scheduler = make_lr_scheduler(optimizer or self.optimizer, args.retrain_schedule, ctx)
             self._created_lr_scheduler = True
         return self.lr_scheduler

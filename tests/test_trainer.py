@@ -245,7 +245,7 @@ def test_masks_for_another_model_are_explained(make_args, image_dataset):
         (dict(n_phases=0), "n_phases must be a positive integer"),
         (dict(allocation="random"), r"allocation='random' is unknown; choose one of \['erk', 'global'"),
         (dict(retrain_schedule="cosine"), r"retrain_schedule='cosine' is unknown; choose one of"),
-        (dict(merge_method="ties"), r"merge_method='ties' is unknown; choose one of"),
+        (dict(merge_methods=["ties"]), r"merge_methods \['ties'\] are unknown; choose from"),
         (dict(num_replicas=0), "num_replicas must be >= 1"),
         (dict(replica_seeds=[1, 2]), "replica_seeds has 2 entries but num_replicas=3; give one per replica"),
         (dict(replica_weight_decays=[0.1]), "replica_weight_decays has 1 entries.*give one per replica"),
