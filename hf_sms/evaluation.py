@@ -6,10 +6,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
+from torch.utils.flop_counter import flop_registry
 from transformers import PreTrainedModel, default_data_collator
 
 from .batchnorm import forward_batch
+from .pruning import prunable_tensors, unfused_attention
 
 MetricFn = Callable[[nn.Module, object], float]
 
@@ -119,32 +122,65 @@ class MeanIoU:
         return 100.0 * float((inter[present] / union[present]).mean()) if present.any() else 0.0
 
 
+# aten matmuls and convolutions -> argument positions of their two operands (addmm/baddbmm add a bias first).
+_aten = torch.ops.aten
+_OPERANDS = {
+    _aten.mm: (0, 1),
+    _aten.bmm: (0, 1),
+    _aten.addmm: (1, 2),
+    _aten.baddbmm: (1, 2),
+    _aten.convolution: (0, 1),
+    _aten._convolution: (0, 1),
+}
+
+
+class _WeightFlops(TorchDispatchMode):
+    """Adds up dense and zero-skipping FLOPs of every matmul or convolution with a prunable weight operand.
+
+    FLOPs come from torch's own formulas (``torch.utils.flop_counter.flop_registry``). An operand is a
+    weight if it shares storage with one, so views such as ``weight.t()`` or MHA's q/k/v slices of
+    ``in_proj_weight`` count, however the layer calls the op (Linear, GPT-2's Conv1D, MHA, ConvTranspose).
+    """
+
+    def __init__(self, storages: set[int]):
+        super().__init__()
+        self.storages, self.dense, self.sparse = storages, 0.0, 0.0
+
+    def _weight_operand(self, func, args) -> torch.Tensor | None:
+        for i in _OPERANDS.get(getattr(func, "_overloadpacket", None), ()):
+            if torch.is_tensor(args[i]) and args[i].untyped_storage().data_ptr() in self.storages:
+                return args[i]
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        weight = self._weight_operand(func, args)
+        if weight is not None:
+            flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+            self.dense += flops
+            # The operand itself, so a slice of a weight (MHA's q/k/v) counts its own zeros.
+            self.sparse += flops * float(torch.count_nonzero(weight)) / weight.numel()
+        return out
+
+
 @torch.no_grad()
 def theoretical_speedup(model: nn.Module, batch) -> float:
     """Dense FLOPs / FLOPs with zeros skipped, over conv and linear layers, on one batch (METHOD §8).
 
-    A layer's sparse cost is ``flops * nnz / numel`` of its weight (ShrinkBench's convention).
+    Every matmul and convolution with a prunable weight as an operand counts, its sparse cost being
+    ``flops * nnz / numel`` of that weight (ShrinkBench's convention, Blalock et al. 2020). Products of
+    two activations (attention scores) are left out of both totals, as the paper counts conv and linear
+    layers only.
     """
-    dense, sparse, hooks = [0.0], [0.0], []
-
-    def count(module, inputs, output):
-        w = module.weight
-        if isinstance(module, nn.Linear):
-            flops = output.numel() * w.shape[1]
-        else:  # convolution: each output element costs (c_in / groups) * prod(kernel) multiply-adds
-            flops = output.numel() * w[0].numel()
-        dense[0] += flops
-        sparse[0] += flops * float((w != 0).sum()) / w.numel()
-
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-            hooks.append(m.register_forward_hook(count))
+    storages = {t.param.untyped_storage().data_ptr() for t in prunable_tensors(model)}
+    counter = _WeightFlops(storages)
     was_training = model.training
     model.eval()
     try:
-        forward_batch(model, batch, next(model.parameters()).device, keep_labels=isinstance(model, PreTrainedModel))
+        with unfused_attention(), counter:
+            device = next(model.parameters()).device
+            forward_batch(model, batch, device, keep_labels=isinstance(model, PreTrainedModel))
     finally:
-        for h in hooks:
-            h.remove()
         model.train(was_training)
-    return dense[0] / sparse[0] if sparse[0] else float("inf")
+    return counter.dense / counter.sparse if counter.sparse else float("inf")
