@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -107,7 +108,7 @@ class SparseModelSoup:
         model, masks = copy.deepcopy(self.pretrained), None
         for p, sparsity in enumerate(self.results["phases"]):
             self._phase_start = time.perf_counter()
-            step = prune(model, sparsity, a.allocation, masks, sync=self.world.broadcast_masks)  # Step 1: prune
+            step = prune(model, sparsity, a.allocation, masks, self.world.broadcast_masks, self.example)  # Step 1
             masks = step.masks
             hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
             # Phase 1 starts from the same pruned model in every trajectory: its replicas are trained once.
@@ -141,7 +142,7 @@ class SparseModelSoup:
         masks = dict.fromkeys(tracks)
         for p, sparsity in enumerate(self.results["phases"]):
             for i in tracks:  # no mask broadcast: IMP runs are independent
-                step = prune(tracks[i], sparsity, args.allocation, masks[i])
+                step = prune(tracks[i], sparsity, args.allocation, masks[i], example_inputs=self.example)
                 masks[i] = step.masks
                 h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))
                 if times_m:  # IMP_mx: the compute SMS spends in this phase, in one replica
@@ -152,7 +153,7 @@ class SparseModelSoup:
                 template = next(iter(tracks.values()))
                 average = self.world.average(self._state_dicts(tracks), range(n_tracks), template.state_dict())
                 reprune = self._load(template, average)
-                prune(reprune, sparsity, args.allocation, sync=self.world.broadcast_masks)
+                prune(reprune, sparsity, args.allocation, None, self.world.broadcast_masks, self.example)
                 self._record("imp_reprune", p, self._measure(self.recalibrate(reprune)))
 
     # -- units of work ---------------------------------------------------------------------------
@@ -228,11 +229,15 @@ class SparseModelSoup:
         scores = self.world.gather({i: self.evaluate(m, dataset) for i, m in models.items()})
         return [scores[i] for i in range(len(scores))]
 
+    @functools.cached_property
+    def example(self):
+        """One validation batch: orders layers by call for pruning (uniform+) and measures FLOPs."""
+        return next(iter(DataLoader(self.eval_dataset, self.args.per_device_eval_batch_size, collate_fn=self.collate)))
+
     def _measure(self, model: nn.Module) -> dict:
-        batch = next(iter(DataLoader(self.eval_dataset, self.args.per_device_eval_batch_size, collate_fn=self.collate)))
         return {
             "sparsity": sparsity_report(model)["sparsity"],
-            "speedup": theoretical_speedup(model, batch),
+            "speedup": theoretical_speedup(model, self.example),
             "val": self.evaluate(model, self.eval_dataset),
             "test": self.evaluate(model, self.test_dataset),
         }

@@ -9,12 +9,12 @@ from hf_sms.results import format_table
 def test_demo_quick_writes_every_row(tmp_path, capsys):
     assert main(["demo", "--quick", "--output-dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    expected = {"sms_uniform", "sms_greedy", "best_candidate", "mean_candidate", "imp", "imp_mx"}
+    expected = {"sms_uniform", "best_candidate", "mean_candidate", "imp", "imp_mx"}
     assert set(results["rows"]) == expected
     assert all(len(rows) == len(results["phases"]) for rows in results["rows"].values())
-    assert results["phases"][-1] == 0.9
-    assert abs(results["rows"]["sms_uniform"][-1]["sparsity"] - 0.9) < 1e-4
-    assert all("ensemble_test" in d for d in results["sms"])
+    assert results["phases"][-1] == 0.98
+    assert abs(results["rows"]["sms_uniform"][-1]["sparsity"] - 0.98) < 1e-4
+    assert all("ensemble_test" in d and "disagreement_val" in d for d in results["sms"])
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     soup = tmp_path / "sms" / "final_soup"
     assert json.loads((soup / "sparsity.json").read_text())["recipe"]["m"] == [2, 2]
