@@ -45,7 +45,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 import hf_sms  # noqa: E402
 from hf_sms import apply_masks, compute_masks, save_sparse  # noqa: E402
-from hf_sms.sparse_format import SparseCheckpoint, eligible  # noqa: E402
+from hf_sms.checkpoint import SparseCheckpoint, eligible  # noqa: E402
 
 if cli.threads:
     torch.set_num_threads(cli.threads)
@@ -158,7 +158,7 @@ for sparsity in (0.9, 0.98):
 
 # -- 2. streaming merge -------------------------------------------------------------------------
 def merge_bench(fmt: str, base: T5ForConditionalGeneration) -> None:
-    from hf_sms.checkpoint_cli import merge_checkpoints
+    from hf_sms.checkpoint import merge_checkpoints
 
     inputs = []
     for i in range(cli.replicas):

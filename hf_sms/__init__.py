@@ -1,23 +1,18 @@
 """hf-sms: Sparse Model Soups (Zimmer, Spiegel, Pokutta; ICLR 2024) for the Hugging Face ecosystem."""
 
+from .allocations import ALLOCATIONS
 from .batchnorm import recalibrate_batchnorm
+from .checkpoint import load_sparse, save_sparse, transformers_integration
 from .config import SparseSoupConfig
 from .hub import push_to_hub
 from .merge import MERGE_METHODS, greedy_soup, uniform_soup
-from .pruning import (
-    ALLOCATIONS,
-    PruningStep,
-    apply_masks,
-    compute_masks,
-    phase_sparsities,
-    prunable_tensors,
-    prune,
-    sparsity_report,
-)
+from .prunable import prunable_tensors
+from .pruning import PruningStep, apply_masks, compute_masks, phase_sparsities, prune, sparsity_report
 from .schedules import RETRAIN_SCHEDULES
 from .sms import SparseModelSoup, run_sms
-from .sparse_format import load_sparse, save_sparse
 from .trainer import SparseSoupTrainer
+
+transformers_integration.register()  # AutoModel*.from_pretrained(dir) decodes bitmask checkpoints
 
 __version__ = "0.1.0"
 __all__ = [

@@ -1,4 +1,4 @@
-"""BatchNorm recalibration (METHOD.md §5): exact running statistics after a merge."""
+"""BatchNorm recalibration (docs/method.md §5): exact running statistics after a merge."""
 
 from __future__ import annotations
 

@@ -7,20 +7,21 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
-from .pruning import ALLOCATIONS, phase_sparsities
+from .allocations import ALLOCATIONS
+from .baselines import BASELINES
+from .merge import MERGE_METHODS
+from .pruning import phase_sparsities
 from .schedules import PRETRAIN_SHAPES, RETRAIN_SCHEDULES
 from .seeding import derive_seed
 
-BASELINES = ("imp", "imp_mx", "imp_reprune")
 
-
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)  # keep TrainingArguments' repr, which masks tokens
 class SparseSoupConfig(TrainingArguments):
     r"""Configuration of a Sparse Model Soups run; every TrainingArguments field applies to each replica.
 
     Parameters that control pruning:
         target_sparsity, n_phases, allocation.
-    Parameters that control retraining (METHOD.md §3):
+    Parameters that control retraining (docs/method.md §3):
         retrain_schedule, pretrain_learning_rate, pretrain_min_learning_rate, pretrain_schedule,
         pretrain_epochs, retrain_warmup_fraction (``warmup_steps``, if set, takes precedence),
         decay_all_parameters. ``num_train_epochs`` / ``max_steps`` set the retraining length R per phase.
@@ -122,7 +123,7 @@ class SparseSoupConfig(TrainingArguments):
         default=0.1, metadata={"help": "Fraction of train split off (fixed seed) for validation when none is given."}
     )
     baselines: list[str] = field(
-        default_factory=list, metadata={"help": f"Baselines run beside SMS: any of {list(BASELINES)}."}
+        default_factory=list, metadata={"help": f"Baselines run beside SMS: any of {sorted(BASELINES)}."}
     )
 
     # Changed TrainingArguments defaults.
@@ -134,8 +135,6 @@ class SparseSoupConfig(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        from .merge import MERGE_METHODS  # merge imports the trainer, which imports this module
-
         phase_sparsities(self.target_sparsity, self.n_phases)  # raises ValueError on bad input
         choices = {
             "allocation": (self.allocation, ALLOCATIONS),
@@ -152,9 +151,17 @@ class SparseSoupConfig(TrainingArguments):
                 raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(allowed)}")
         unknown = sorted(set(self.baselines) - set(BASELINES))
         if unknown:
-            raise ValueError(f"baselines {unknown} are unknown; choose from {list(BASELINES)}")
-        if self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+            raise ValueError(f"baselines {unknown} are unknown; choose from {sorted(BASELINES)}")
+        if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
+        if "imp_reprune" in self.baselines and self.num_replicas < 2:
+            raise ValueError(
+                "baselines=['imp_reprune'] averages num_replicas independent IMP runs, so it needs num_replicas >= 2"
+            )
+        if self.pretrain_epochs is not None and not self.pretrain_epochs > 0:
+            raise ValueError(
+                f"pretrain_epochs is the original training's length and must be > 0, got {self.pretrain_epochs}"
+            )
         if self.replicas_per_phase is not None and (
             len(self.replicas_per_phase) != self.n_phases
             or not all(1 <= m <= self.num_replicas for m in self.replicas_per_phase)

@@ -1,7 +1,10 @@
-"""Data helpers: the validation split (METHOD §4) and the offline digits data set of the demo."""
+"""Data helpers: the validation split (docs/method.md §4) and the offline digits data set of the demo."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
@@ -15,6 +18,19 @@ def split_validation(train_dataset, fraction: float, seed: int):
     n_val = max(1, round(n * fraction))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return Subset(train_dataset, perm[n_val:]), Subset(train_dataset, perm[:n_val])
+
+
+def peek(dataset, index: int):
+    """``dataset[index]`` under fixed seeds, leaving every global random generator as it was: reading an
+    item with random augmentation neither changes the caller's randomness nor depends on it."""
+    state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(index), random.seed(index), np.random.seed(index)
+            return dataset[index]
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
 
 
 class TensorDictDataset(Dataset):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 
 import torch
@@ -84,12 +85,13 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
     torch.manual_seed(seed)
     train, val, test = load_digits_splits(seed=seed)
     pre_epochs, retrain_epochs, width, lr = (6, 2, 16, 0.1) if quick else (30, 8, 32, 0.1)
-    model = pretrain(DigitsResNet(width), train, os.path.join(output_dir, "pretrain"), pre_epochs, lr, seed)
+    with tempfile.TemporaryDirectory() as scratch:  # pretraining keeps nothing on disk
+        model = pretrain(DigitsResNet(width), train, scratch, pre_epochs, lr, seed)
     accuracy = ClassificationAccuracy()
     dense = {"val": accuracy(model, val), "test": accuracy(model, test)}
     print(f"[hf-sms] pretrained dense model: val {dense['val']:.2f}% test {dense['test']:.2f}%", flush=True)
     args = SparseSoupConfig(
-        output_dir=os.path.join(output_dir, "sms"),
+        output_dir=output_dir,
         target_sparsity=0.98,  # at 90% digits is saturated: every method is within a test image or two
         n_phases=2 if quick else 3,
         num_replicas=2 if quick else 3,
@@ -114,7 +116,7 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
     save_results(results, os.path.join(output_dir, "results.json"))
     plot_results([results], os.path.join(output_dir, "results.png"))
     print("\nTest accuracy (%) after each phase:\n" + format_table([results], "test"))
-    print(f"\n[hf-sms] wrote {output_dir}/results.json, results.png, sms/final_soup/ in {results['seconds']:.0f} s")
+    print(f"\n[hf-sms] wrote {output_dir}/results.json, results.png, final_soup/ in {results['seconds']:.0f} s")
     return results
 
 

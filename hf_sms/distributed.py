@@ -20,9 +20,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .pruning import Masks
+from .averaging import Accumulator
+from .prunable import Masks
 
 StateDict = dict[str, torch.Tensor]
+
+
+def _flat(state_dict: StateDict, keys) -> torch.Tensor:
+    tensors = [state_dict[k].reshape(-1) for k in keys]
+    return torch.cat(tensors) if tensors else torch.zeros(0)
+
+
 # What launchers set; hidden from accelerate once replica groups exist, so that each replica's Trainer
 # runs as a single process (or data-parallel inside its own group) instead of over all N processes.
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
@@ -125,36 +133,32 @@ class ReplicaWorld:
         return {i: v for part in parts for i, v in part.items()}
 
     @torch.no_grad()
-    def average(self, local: dict[int, StateDict], indices: Sequence[int], template: StateDict) -> StateDict:
-        """Mean over ``indices`` of the replicas' state dicts, whichever process holds them.
+    def average(self, local: dict[int, StateDict], weights: Sequence[float], template: StateDict) -> StateDict:
+        """Weighted mean of the replicas' state dicts (one weight per replica, 0 leaves it out), whichever
+        process holds them.
 
-        Floating-point tensors are summed in float64 and divided by ``len(indices)``; integer buffers
-        come from replica ``indices[0]``. One all-reduce per dtype class, on a flat buffer.
+        The averaging kernel (:class:`hf_sms.averaging.Accumulator`) on one flat buffer per dtype class:
+        each group main adds its replicas, one all-reduce sums the parts; integer buffers come from the
+        first replica with a nonzero weight.
         """
-        floats = [k for k, v in template.items() if v.is_floating_point()]
-        ints = [k for k, v in template.items() if not v.is_floating_point()]
-        mine = [i for i in indices if i in local] if self.is_group_main else []
-        flat = torch.zeros(sum(template[k].numel() for k in floats), dtype=torch.float64, device=self.device)
+        floats = tuple(k for k, v in template.items() if v.is_floating_point())
+        ints = tuple(k for k, v in template.items() if not v.is_floating_point())
+        first = next(i for i, w in enumerate(weights) if w)
+        mine = [i for i, w in enumerate(weights) if w and i in local] if self.is_group_main else []
+        acc = {keys: Accumulator(_flat(template, keys), self.device) for keys in (floats, ints)}
         for i in mine:
-            flat += torch.cat([local[i][k].reshape(-1).to(self.device, torch.float64) for k in floats])
-        ints_flat = torch.zeros(sum(template[k].numel() for k in ints), dtype=torch.int64, device=self.device)
-        if indices[0] in mine and ints:
-            ints_flat += torch.cat([local[indices[0]][k].reshape(-1).to(self.device, torch.int64) for k in ints])
-        if self.size > 1:
-            dist.all_reduce(flat)
-            if ints:
-                dist.all_reduce(ints_flat)
-        flat /= len(indices)
-        out, offset = {}, 0
-        for k in floats:
-            n = template[k].numel()
-            out[k] = flat[offset : offset + n].view(template[k].shape).to(template[k].device, template[k].dtype)
-            offset += n
-        offset = 0
-        for k in ints:
-            n = template[k].numel()
-            out[k] = ints_flat[offset : offset + n].view(template[k].shape).to(template[k].device, template[k].dtype)
-            offset += n
+            acc[floats].add(_flat(local[i], floats), weights[i])
+        if first in mine:
+            acc[ints].add(_flat(local[first], ints))
+        out = {}
+        for keys, a in acc.items():
+            if self.size > 1 and keys:
+                dist.all_reduce(a.total)
+            offset = 0
+            for k in keys:  # cast each tensor from the float64 sum, as Accumulator.result does
+                n = template[k].numel()
+                out[k] = a.total[offset : offset + n].view(template[k].shape).to(template[k].device, template[k].dtype)
+                offset += n
         return {k: out[k] for k in template}
 
     @torch.no_grad()

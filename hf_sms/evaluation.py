@@ -12,7 +12,7 @@ from torch.utils.flop_counter import flop_registry
 from transformers import PreTrainedModel, default_data_collator
 
 from .batchnorm import forward_batch
-from .pruning import prunable_tensors, unfused_attention
+from .prunable import prunable_tensors, unfused_attention
 
 MetricFn = Callable[[nn.Module, object], float]
 
@@ -41,7 +41,7 @@ class ClassificationAccuracy:
     """Top-1 accuracy in % as a metric for the SMS loop: ``metric(model, dataset) -> float``.
 
     It also defines ``predict(model, dataset)`` (softmax probabilities) and ``score(probs, dataset)``, which
-    the loop uses for the prediction-ensemble diagnostic (METHOD §8); any metric object with those two
+    the loop uses for the prediction-ensemble diagnostic (docs/method.md §8); any metric object with those two
     methods gets the ensemble row.
     """
 
@@ -67,8 +67,7 @@ class ClassificationAccuracy:
 class BleuMetric:
     """Corpus BLEU (sacrebleu) of greedy or beam-search generations against ``labels`` (seq2seq models)."""
 
-    def __init__(self, tokenizer, max_new_tokens: int = 128, num_beams: int = 1, batch_size: int = 64,
-                 collate_fn=None):  # fmt: skip
+    def __init__(self, tokenizer, max_new_tokens: int = 128, num_beams: int = 1, batch_size: int = 64, collate_fn=None):
         self.tokenizer, self.max_new_tokens, self.num_beams = tokenizer, max_new_tokens, num_beams
         self.batch_size, self.collate_fn = batch_size, collate_fn or default_data_collator
 
@@ -82,9 +81,11 @@ class BleuMetric:
         hyps, refs = [], []
         for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn):
             out = model.generate(
-                input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                max_new_tokens=self.max_new_tokens, num_beams=self.num_beams,
-            )  # fmt: skip
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+                max_new_tokens=self.max_new_tokens,
+                num_beams=self.num_beams,
+            )
             labels = batch["labels"].masked_fill(batch["labels"] == -100, self.tokenizer.pad_token_id)
             hyps += self.tokenizer.batch_decode(out, skip_special_tokens=True)
             refs += self.tokenizer.batch_decode(labels, skip_special_tokens=True)
@@ -166,7 +167,7 @@ class _WeightFlops(TorchDispatchMode):
 
 @torch.no_grad()
 def theoretical_speedup(model: nn.Module, batch) -> float:
-    """Dense FLOPs / FLOPs with zeros skipped, over conv and linear layers, on one batch (METHOD §8).
+    """Dense FLOPs / FLOPs with zeros skipped, over conv and linear layers, on one batch (docs/method.md §8).
 
     Every matmul and convolution with a prunable weight as an operand counts, its sparse cost being
     ``flops * nnz / numel`` of that weight (ShrinkBench's convention, Blalock et al. 2020). Products of

@@ -7,7 +7,6 @@ huggingface_hub's own (``token=`` or ``hf auth login``); the token is never prin
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -16,24 +15,23 @@ import tempfile
 import yaml
 from torch import nn
 
-from .sparse_format import SPARSITY_NAME, save_sparse
+from .checkpoint import save_sparse
+from .checkpoint.constants import CARD_NAME, SPARSITY_NAME, TMP_PREFIX
+from .checkpoint.families import FAMILIES, Family
+from .checkpoint.folder import read_sparsity
 
 logger = logging.getLogger(__name__)
-CARD_NAME = "README.md"
-_LIBRARY_NAMES = {
-    "transformers": "transformers",
-    "timm": "timm",
-    "segmentation_models_pytorch": "segmentation-models-pytorch",
-    "torch": "pytorch",
-}
 
 
 def _read_info(directory: str) -> dict:
-    path = os.path.join(directory, SPARSITY_NAME)
-    if not os.path.isfile(path):
+    info = read_sparsity(directory)
+    if info is None:
         raise ValueError(f"{directory} has no {SPARSITY_NAME}; save the model with hf_sms.save_sparse first")
-    with open(path) as f:
-        return json.load(f)
+    return info
+
+
+def _family(info: dict) -> Family:
+    return FAMILIES.get(info.get("library"), FAMILIES["torch"])
 
 
 def _cell(value) -> str:
@@ -50,24 +48,8 @@ def _table(rows: list[dict]) -> str:
 
 
 def _how_to_load(info: dict, repo: str) -> str:
-    library, fmt, arch = info.get("library"), info.get("format"), info.get("architecture")
-    if library == "transformers":
-        lines = [f"from transformers import {arch}", "", f'model = {arch}.from_pretrained("{repo}")']
-        if fmt == "bitmask":
-            lines.insert(0, "import hf_sms  # registers the sparse checkpoint format with transformers")
-    elif library == "timm" and fmt == "dense":
-        lines = ["import timm", "", f'model = timm.create_model("hf-hub:{repo}", pretrained=True)']
-    elif library == "segmentation_models_pytorch" and fmt == "dense":
-        lines = ["import segmentation_models_pytorch as smp", "", f'model = smp.from_pretrained("{repo}")']
-    else:
-        template = ", model=MyModel(...)" if library == "torch" else ""  # plain torch models load into a template
-        lines = [
-            "import hf_sms",
-            "from huggingface_hub import snapshot_download",
-            "",
-            f'model = hf_sms.load_sparse(snapshot_download("{repo}"){template})',
-        ]
-    return "```python\n" + "\n".join(lines) + "\n```"
+    snippet = _family(info).load_snippet(info.get("architecture"), info.get("format"), repo, hub=True)
+    return "```python\n" + snippet + "\n```"
 
 
 def model_card(
@@ -97,7 +79,7 @@ def model_card(
     recipe = info.get("recipe") or {}
     repo = repo_id or os.path.basename(os.path.abspath(directory))
     meta = {
-        "library_name": _LIBRARY_NAMES.get(info.get("library"), "pytorch"),
+        "library_name": _family(info).hub_library_name,
         "tags": list(dict.fromkeys(["hf-sms", "sparse", "pruning", "model-soup", *(tags or [])])),
     }
     if license:
@@ -204,7 +186,7 @@ def push_to_hub(
             commit_message=commit_message,
             revision=revision,
             create_pr=create_pr,
-            ignore_patterns=[".hf_sms-*", "*.tmp"],
+            ignore_patterns=[TMP_PREFIX + "*", "*.tmp"],
         )
         return getattr(commit, "commit_url", None) or str(commit)
     finally:

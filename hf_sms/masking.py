@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .pruning import Masks, validate_masks
+from .prunable import Masks
+from .pruning import validate_masks
 
 
 class MaskEnforcer:

@@ -1,33 +1,58 @@
-"""Merging replicas into a soup (METHOD.md §4). Merge methods live in a registry, mergekit-style.
+"""Merging replicas into a soup (docs/method.md §4). Merge methods live in a registry, mergekit-style.
 
-Every merge is a weighted mean of state dicts: floating-point parameters and buffers are averaged,
-integer buffers (``num_batches_tracked``) are taken from the first input. A mean of tensors that
-are all zero at a position is exactly zero there, so inputs that share a mask give a soup with
-that mask, bit for bit.
+Every merge is a weighted mean of state dicts formed by :mod:`hf_sms.averaging` (float64 sums, integer
+buffers from the first input), so inputs that share a mask give a soup with that mask, bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from .pruning import Masks, apply_masks, compute_masks, masks_from_model
+from .averaging import average_tensors
+from .prunable import Masks
+from .pruning import apply_masks, compute_masks, masks_from_model
 
 StateDict = dict[str, torch.Tensor]
-MERGE_METHODS: dict[str, Callable] = {}
+# A soup method is a policy: (validation scores of the m candidates, trial(weights) -> validation score of
+# the soup with those weights, config) -> one weight per candidate (0 leaves a candidate out).
+SoupPolicy = Callable[[Sequence[float], Callable[[list[float]], float], object], list[float]]
+MERGE_METHODS: dict[str, SoupPolicy] = {}
 
 
 def register_merge(name: str):
-    def deco(fn):
+    """Register a soup policy under ``name``; it then works everywhere, the SMS loop included."""
+
+    def deco(fn: SoupPolicy) -> SoupPolicy:
         if name in MERGE_METHODS:
             raise ValueError(f"merge method {name!r} is already registered")
         MERGE_METHODS[name] = fn
         return fn
 
     return deco
+
+
+def indicator_weights(indices: Sequence[int], n: int) -> list[float]:
+    """Uniform weights over ``indices``, 0 for the other of ``n`` candidates."""
+    return [1.0 / len(indices) if i in indices else 0.0 for i in range(n)]
+
+
+@register_merge("uniform")
+def uniform_policy(scores, trial, config) -> list[float]:
+    """UniformSoup: lambda_i = 1/m."""
+    return indicator_weights(range(len(scores)), len(scores))
+
+
+@register_merge("greedy")
+def greedy_policy(scores, trial, config) -> list[float]:
+    """GreedySoup (Wortsman et al. 2022): candidates best-first, each kept only if the soup improves."""
+    keep_ties = bool(getattr(config, "greedy_keep_ties", False))
+    kept, _ = greedy_select(scores, lambda idx: trial(indicator_weights(idx, len(scores))), keep_ties)
+    return indicator_weights(kept, len(scores))
 
 
 @torch.no_grad()
@@ -40,19 +65,11 @@ def average_state_dicts(state_dicts: Sequence[StateDict], weights: Sequence[floa
         if list(sd) != keys:
             missing = sorted(set(keys) ^ set(sd))[:5]
             raise ValueError(f"input {i} has different tensors than input 0 (e.g. {missing}): architectures differ")
-    weights = list(weights) if weights is not None else [1.0 / len(state_dicts)] * len(state_dicts)
     out = {}
     for k in keys:
-        ref = state_dicts[0][k]
-        if any(sd[k].shape != ref.shape for sd in state_dicts):
+        if any(sd[k].shape != state_dicts[0][k].shape for sd in state_dicts):
             raise ValueError(f"tensor {k!r} has different shapes across inputs: architectures differ")
-        if not ref.is_floating_point():
-            out[k] = ref.clone()
-            continue
-        acc = torch.zeros_like(ref, dtype=torch.float64)
-        for w, sd in zip(weights, state_dicts):
-            acc.add_(sd[k].to(acc.device, torch.float64), alpha=w)
-        out[k] = acc.to(ref.dtype)
+        out[k] = average_tensors([sd[k] for sd in state_dicts], weights)
     return out
 
 
@@ -78,10 +95,7 @@ def _soup_model(template: nn.Module, state_dict: StateDict) -> nn.Module:
     return soup
 
 
-@register_merge("uniform")
-def uniform_soup(
-    models: Sequence[nn.Module], reprune_sparsity: float | None = None, allocation: str = "global", **_
-) -> nn.Module:
+def uniform_soup(models: Sequence[nn.Module], reprune_sparsity: float | None = None, allocation: str = "global"):
     """UniformSoup: the elementwise mean of ``models`` (lambda_i = 1/m).
 
     Args:
@@ -122,16 +136,63 @@ def greedy_select(
     return kept, best
 
 
-@register_merge("greedy")
+def merge(
+    models: Sequence[nn.Module],
+    method: str = "uniform",
+    evaluate: Callable[[nn.Module], float] | None = None,
+    recalibrate: Callable[[nn.Module], object] | None = None,
+    scores: Sequence[float] | None = None,
+    config=None,
+) -> nn.Module:
+    """The ``method`` soup of ``models`` (any registered policy), recalibrated if asked.
+
+    The soup carries ``soup_weights`` (one per candidate) and ``soup_scores`` (the candidates' scores).
+
+    Args:
+        models: replicas retrained under the same mask.
+        method: a name in ``MERGE_METHODS``.
+        evaluate: validation metric of a model, higher is better (policies that trial soups need it).
+        recalibrate: called on every candidate and trial soup before ``evaluate`` (BatchNorm).
+        scores: the candidates' validation metrics if already known.
+        config: passed to the policy (e.g. a :class:`SparseSoupConfig` with ``greedy_keep_ties``).
+    """
+    if method not in MERGE_METHODS:
+        raise ValueError(f"unknown merge method {method!r}; choose one of {sorted(MERGE_METHODS)}")
+    check_same_masks(models)
+    state_dicts = [m.state_dict() for m in models]
+
+    def soup_of(weights: list[float]) -> nn.Module:
+        used = [i for i, w in enumerate(weights) if w]
+        model = _soup_model(models[0], average_state_dicts([state_dicts[i] for i in used], [weights[i] for i in used]))
+        if recalibrate is not None:
+            recalibrate(model)
+        return model
+
+    def trial(weights: list[float]) -> float:
+        if evaluate is None:
+            raise ValueError(f"merge method {method!r} evaluates trial soups: pass evaluate=<validation metric>")
+        return float(evaluate(soup_of(weights)))
+
+    if scores is None:
+        scores = (
+            [trial(indicator_weights([i], len(models))) for i in range(len(models))]
+            if evaluate
+            else [0.0] * len(models)
+        )
+    weights = MERGE_METHODS[method](list(scores), trial, config)
+    soup = soup_of(weights)
+    soup.soup_weights, soup.soup_scores = weights, list(scores)
+    return soup
+
+
 def greedy_soup(
     models: Sequence[nn.Module],
     evaluate: Callable[[nn.Module], float],
     recalibrate: Callable[[nn.Module], object] | None = None,
     scores: Sequence[float] | None = None,
     keep_ties: bool = False,
-    **_,
 ) -> nn.Module:
-    """GreedySoup: add candidates best-first while the validation metric improves (METHOD §4).
+    """GreedySoup: add candidates best-first while the validation metric improves (docs/method.md §4).
 
     Args:
         models: replicas retrained under the same mask.
@@ -143,27 +204,9 @@ def greedy_soup(
     Returns:
         The soup, with ``soup.greedy_info = {"order", "kept", "scores", "metric"}`` attached.
     """
-    check_same_masks(models)
-    state_dicts = [m.state_dict() for m in models]
-
-    def soup_of(indices: list[int]) -> nn.Module:
-        return _soup_model(models[0], average_state_dicts([state_dicts[j] for j in indices]))
-
-    def metric(indices: list[int]) -> float:
-        trial = soup_of(indices)
-        if recalibrate is not None:
-            recalibrate(trial)
-        return float(evaluate(trial))
-
-    scores = list(scores) if scores is not None else [metric([i]) for i in range(len(models))]
-    kept, best = greedy_select(scores, metric, keep_ties)
-    soup = soup_of(kept)
-    soup.greedy_info = {"order": sorted(range(len(scores)), key=lambda i: -scores[i]), "kept": kept,
-                        "scores": scores, "metric": best}  # fmt: skip
+    config = types.SimpleNamespace(greedy_keep_ties=keep_ties)
+    soup = merge(models, "greedy", evaluate, recalibrate, scores, config)
+    order = sorted(range(len(models)), key=lambda i: -soup.soup_scores[i])
+    kept = [i for i in order if soup.soup_weights[i]]
+    soup.greedy_info = {"order": order, "kept": kept, "scores": soup.soup_scores, "metric": float(evaluate(soup))}
     return soup
-
-
-def merge(method: str, models: Sequence[nn.Module], **kwargs) -> nn.Module:
-    if method not in MERGE_METHODS:
-        raise ValueError(f"unknown merge method {method!r}; choose one of {sorted(MERGE_METHODS)}")
-    return MERGE_METHODS[method](models, **kwargs)

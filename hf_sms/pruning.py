@@ -1,305 +1,22 @@
-"""Magnitude pruning: which tensors are prunable, how sparsity is allocated, masks (METHOD.md §2).
+"""Magnitude pruning: masks, phase targets and the pruning step (docs/method.md §1-§3).
 
-A mask is a plain ``bool`` tensor per parameter name, ``True`` where the weight is kept.
-Allocation methods are pure functions in a registry, so a new one is one function and one line.
+A mask is a plain ``bool`` tensor per parameter name, ``True`` where the weight is kept. Which weights are
+prunable lives in :mod:`hf_sms.prunable`, how sparsity is spread over them in :mod:`hf_sms.allocations`.
 """
 
 from __future__ import annotations
 
-import inspect
-import itertools
 import math
-from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from .batchnorm import forward_batch
+from .allocations import ALLOCATIONS
+from .prunable import Masks, PrunableTensor, call_order_uses, prunable_tensors
 
-Masks = dict[str, torch.Tensor]
 
-# Module type -> (kind, weight attributes). Only these weights are prunable: biases and normalisation
-# parameters never are. nn.MultiheadAttention packs q/k/v into ``in_proj_weight``, or keeps three matrices
-# when kdim/vdim != embed_dim (unused slots are None); its out_proj is an nn.Linear subclass, found as such.
-# nn.TransformerEncoderLayer/DecoderLayer are built from these, so they are covered too.
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-_WEIGHTS_BY_TYPE: list[tuple[type | tuple[type, ...], str, tuple[str, ...]]] = [
-    (_CONV, "conv", ("weight",)),
-    (nn.Linear, "linear", ("weight",)),
-    (nn.Embedding, "embedding", ("weight",)),
-    (nn.MultiheadAttention, "linear", _MHA_WEIGHTS),
-]
-
-
-def _kind_and_attributes(module: nn.Module) -> tuple[str, tuple[str, ...]] | None:
-    for types, kind, attributes in _WEIGHTS_BY_TYPE:
-        if isinstance(module, types):
-            return kind, attributes
-    # transformers' GPT-2 style Conv1D is a linear layer with a transposed weight.
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return "linear", ("weight",)
-    return None
-
-
-def _layer_weights(module: nn.Module) -> tuple[str, list[nn.Parameter]] | None:
-    """``(kind, prunable weights)`` that ``module`` itself holds, or None if it is not a prunable layer."""
-    entry = _kind_and_attributes(module)
-    if entry is None:
-        return None
-    kind, attributes = entry
-    weights = [getattr(module, a, None) for a in attributes]
-    return kind, [w for w in weights if isinstance(w, nn.Parameter) and w.is_floating_point()]
-
-
-Use = tuple[int, str]  # (position in the forward or in module order, kind of the layer using the weight)
-
-
-@dataclass(frozen=True)
-class PrunableTensor:
-    """A prunable weight, named as in ``model.named_parameters()``.
-
-    ``kind`` is the layer type it was first found in; ``uses`` lists every layer that uses it as
-    ``(position, kind)``, so a tied weight such as T5's ``shared.weight`` (an Embedding, and the
-    weight of the lm_head Linear) shows both uses. Positions follow module registration order, or
-    call order when masks are computed with ``example_inputs``.
-    """
-
-    name: str
-    param: nn.Parameter
-    kind: str  # "conv" | "linear" | "embedding"
-    uses: tuple[Use, ...] = ()
-
-
-def _registration_uses(model: nn.Module) -> dict[int, list[Use]]:
-    """``{id(weight): uses}`` with positions in ``model.modules()`` order; a tied weight has one use per layer."""
-    uses: dict[int, list[Use]] = defaultdict(list)
-    for position, module in enumerate(model.modules()):
-        entry = _layer_weights(module)
-        for weight in entry[1] if entry else ():
-            uses[id(weight)].append((position, entry[0]))
-    return uses
-
-
-def prunable_tensors(model: nn.Module) -> list[PrunableTensor]:
-    """The prunable weights of ``model`` in module order, tied weights counted once.
-
-    Works for transformers, timm, segmentation_models_pytorch and plain ``nn.Module``s: the decision
-    is made on layer types (``_WEIGHTS_BY_TYPE``), so any model built from torch's layers is covered,
-    attention included.
-    """
-    names = {id(p): n for n, p in model.named_parameters()}  # de-duplicates tied parameters
-    uses = _registration_uses(model)
-    seen: set[int] = set()
-    out = []
-    for module in model.modules():
-        entry = _layer_weights(module)
-        for weight in entry[1] if entry else ():
-            if id(weight) in seen or id(weight) not in names:
-                continue
-            seen.add(id(weight))
-            out.append(PrunableTensor(names[id(weight)], weight, entry[0], tuple(uses[id(weight)])))
-    return out
-
-
-@contextmanager
-def unfused_attention():
-    """Turn off torch's fused attention fast path, so every matmul and layer call is visible.
-
-    In eval mode without gradients nn.MultiheadAttention and nn.TransformerEncoderLayer run one fused
-    kernel that neither calls their Linear submodules nor shows its matmuls to a dispatch mode.
-    """
-    enabled = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(enabled)
-
-
-def _accepts_labels(model: nn.Module) -> bool:
-    # Seq2seq models derive their decoder inputs from labels, so they must get them when they take them.
-    params = inspect.signature(model.forward).parameters.values()
-    return any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-@torch.no_grad()
-def call_order_uses(model: nn.Module, example_inputs) -> dict[int, list[Use]]:
-    """``{id(weight): uses}`` with positions in the order layers are called on ``example_inputs``.
-
-    ``example_inputs`` is a batch as :func:`hf_sms.batchnorm.forward_batch` takes it (a dict such as
-    ``{"x": ...}`` or ``{"input_ids": ..., "labels": ...}``, or a tensor). The forward runs in eval mode
-    without gradients; the training mode is restored. A weight whose layer is never called, like
-    MHA's out_proj (MHA reads its weight without calling it), gets no use.
-    """
-    uses: dict[int, list[Use]] = defaultdict(list)
-    calls = itertools.count()
-
-    def record(module, args):
-        kind, weights = _layer_weights(module)
-        position = next(calls)
-        for weight in weights:
-            uses[id(weight)].append((position, kind))
-
-    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if _layer_weights(m)]
-    was_training = model.training
-    model.eval()
-    try:
-        with unfused_attention():
-            device = next(model.parameters()).device
-            forward_batch(model, example_inputs, device, keep_labels=_accepts_labels(model))
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
-    return uses
-
-
-def first_use(tensors: list[PrunableTensor], kind: str) -> PrunableTensor | None:
-    """The tensor that a layer of ``kind`` uses first (e.g. the first conv), None if no layer of that kind."""
-    found = [(position, i) for i, t in enumerate(tensors) for position, k in t.uses if k == kind]
-    return tensors[min(found)[1]] if found else None
-
-
-def last_use(tensors: list[PrunableTensor], kind: str) -> PrunableTensor | None:
-    """The tensor that a layer of ``kind`` uses last: a tied lm_head makes its embedding the last linear."""
-    found = [(position, i) for i, t in enumerate(tensors) for position, k in t.uses if k == kind]
-    return tensors[max(found)[1]] if found else None
-
-
-# ----------------------------------------------------------------------------------------------
-# Allocation methods: (tensors, weights, current masks, sparsity) -> new masks.
-# ``weights`` are detached float32 copies; ``masks`` always exist (all-True when unpruned); each
-# tensor's ``uses`` tell which layers use it in which order (see ``first_use`` and ``last_use``).
-Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
-ALLOCATIONS: dict[str, Allocation] = {}
-
-
-def register_allocation(name: str):
-    def deco(fn: Allocation) -> Allocation:
-        if name in ALLOCATIONS:
-            raise ValueError(f"allocation {name!r} is already registered")
-        ALLOCATIONS[name] = fn
-        return fn
-
-    return deco
-
-
-def _masked_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # Already-pruned weights rank below everything, so they are removed first and stay removed.
-    return scores.masked_fill(~mask, -math.inf)
-
-
-def _keep_top(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """Bool mask keeping exactly ``n_keep`` largest scores (ties broken by position)."""
-    flat = scores.reshape(-1)
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    if n_keep > 0:
-        keep[torch.topk(flat, n_keep, sorted=False).indices] = True
-    return keep.view_as(scores)
-
-
-def _n_keep(numel: int, sparsity: float, alive: int) -> int:
-    # Masks only grow: never keep more than what is still alive.
-    return min(numel - round(sparsity * numel), alive)
-
-
-def _global_top(tensors, scores: dict[str, torch.Tensor], masks: Masks, sparsity: float) -> Masks:
-    flat = torch.cat([_masked_scores(scores[t.name], masks[t.name]).reshape(-1) for t in tensors])
-    alive = int(sum(int(masks[t.name].sum()) for t in tensors))
-    keep = _keep_top(flat, _n_keep(flat.numel(), sparsity, alive))
-    out, i = {}, 0
-    for t in tensors:
-        n = t.param.numel()
-        out[t.name] = keep[i : i + n].view_as(t.param)
-        i += n
-    return out
-
-
-def _per_tensor_top(tensors, scores, masks: Masks, sparsities: dict[str, float]) -> Masks:
-    return {
-        t.name: _keep_top(
-            _masked_scores(scores[t.name], masks[t.name]),
-            _n_keep(t.param.numel(), sparsities[t.name], int(masks[t.name].sum())),
-        )
-        for t in tensors
-    }
-
-
-@register_allocation("global")
-def global_magnitude(tensors, weights, masks, sparsity):
-    """One threshold on |w| over all prunable weights (the paper's default)."""
-    return _global_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, sparsity)
-
-
-@register_allocation("uniform")
-def uniform_magnitude(tensors, weights, masks, sparsity):
-    """Every prunable tensor gets the same sparsity."""
-    return _per_tensor_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, dict.fromkeys(weights, sparsity))
-
-
-@register_allocation("uniform_plus")
-def uniform_plus_magnitude(tensors, weights, masks, sparsity):
-    """Uniform, but the first conv stays dense and the last linear layer is pruned to at most 80% (Gale 2019).
-
-    First and last follow ``PrunableTensor.uses``: call order when masks get ``example_inputs``, else
-    module order. A weight tied to a later Linear (T5's shared embedding and lm_head) is a linear use there.
-    """
-    sparsities = dict.fromkeys(weights, sparsity)
-    first_conv, last_linear = first_use(tensors, "conv"), last_use(tensors, "linear")
-    if first_conv is not None:
-        sparsities[first_conv.name] = 0.0
-    if last_linear is not None:
-        sparsities[last_linear.name] = min(sparsity, 0.8)
-    return _per_tensor_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, sparsities)
-
-
-def erk_densities(shapes: dict[str, tuple[int, ...]], sparsity: float) -> dict[str, float]:
-    """Erdos-Renyi-Kernel densities (Evci et al. 2019): density ~ sum(shape)/prod(shape), total matched.
-
-    Layers whose density would exceed 1 are made dense and the rest re-solved.
-    """
-    numel = {n: math.prod(s) for n, s in shapes.items()}
-    raw = {n: sum(s) / numel[n] for n, s in shapes.items()}
-    budget = (1.0 - sparsity) * sum(numel.values())
-    dense: set[str] = set()
-    while True:
-        rest = [n for n in shapes if n not in dense]
-        eps = (budget - sum(numel[n] for n in dense)) / sum(raw[n] * numel[n] for n in rest)
-        # The tolerance keeps float error from making every layer "too dense" (0/0 at sparsity 0).
-        too_dense = {n for n in rest if eps * raw[n] > 1.0 + 1e-9}
-        if not too_dense:
-            return {n: 1.0 if n in dense else min(eps * raw[n], 1.0) for n in shapes}
-        dense |= too_dense
-
-
-@register_allocation("erk")
-def erk_magnitude(tensors, weights, masks, sparsity):
-    densities = erk_densities({t.name: tuple(t.param.shape) for t in tensors}, sparsity)
-    scores = {n: w.abs() for n, w in weights.items()}
-    return _per_tensor_top(tensors, scores, masks, {n: 1.0 - d for n, d in densities.items()})
-
-
-def lamp_scores(weight: torch.Tensor) -> torch.Tensor:
-    """LAMP (Lee et al. 2021): ``w_u^2 / sum_{v >= u} w_v^2`` over weights sorted by ``w^2`` ascending."""
-    sq = weight.reshape(-1).double() ** 2
-    sorted_sq, order = torch.sort(sq)
-    tail = sorted_sq.flip(0).cumsum(0).flip(0)  # sum over v >= u
-    scores = torch.empty_like(sq)
-    scores[order] = sorted_sq / tail.clamp_min(torch.finfo(torch.float64).tiny)
-    return scores.view_as(weight)
-
-
-@register_allocation("lamp")
-def lamp_magnitude(tensors, weights, masks, sparsity):
-    # Pruned weights are zero, so they already rank first within each tensor.
-    return _global_top(tensors, {n: lamp_scores(w * masks[n]) for n, w in weights.items()}, masks, sparsity)
-
-
-# ----------------------------------------------------------------------------------------------
 def _check_sparsity(sparsity: float) -> None:
     if not (isinstance(sparsity, (int, float)) and 0.0 <= sparsity < 1.0):
         raise ValueError(f"sparsity must be a fraction in [0, 1), got {sparsity!r}; e.g. 0.9 removes 90% of weights")
@@ -400,7 +117,7 @@ def sparsity_report(model: nn.Module, masks: Masks | None = None) -> dict:
 
 
 def phase_sparsities(target: float, n_phases: int) -> list[float]:
-    """Sparsity after each of ``n_phases`` IMP phases reaching ``target`` (METHOD §1).
+    """Sparsity after each of ``n_phases`` IMP phases reaching ``target`` (docs/method.md §1).
 
     Each phase removes the same fraction ``q = 1 - (1 - target) ** (1 / n_phases)`` of the weights
     still alive: ``phase_sparsities(0.9, 3)`` is about ``[0.536, 0.785, 0.9]``.
@@ -416,7 +133,7 @@ def phase_sparsities(target: float, n_phases: int) -> list[float]:
 
 @torch.no_grad()
 def pruned_norm_fraction(model: nn.Module, masks: Masks) -> float:
-    """``d = sqrt(|‖θ‖² - ‖θ_pruned‖²|) / ‖θ‖`` for pruning ``model`` with ``masks`` (ALLR, METHOD §3).
+    """``d = sqrt(|‖θ‖² - ‖θ_pruned‖²|) / ‖θ‖`` for pruning ``model`` with ``masks`` (ALLR, docs/method.md §3).
 
     Norms run over all parameters (weights and biases); ``model`` is the model before pruning.
     """

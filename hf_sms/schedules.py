@@ -1,4 +1,4 @@
-"""Retraining learning-rate schedules FT, LRW, SLR, CLR, LLR, ALLR (METHOD.md §3).
+"""Retraining learning-rate schedules FT, LRW, SLR, CLR, LLR, ALLR (docs/method.md §3).
 
 Zimmer et al. 2021, "How I Learned to Stop Worrying and Love Retraining". Each schedule is a pure
 function ``lr(step, ctx)``; :func:`make_lr_scheduler` wraps one in a torch ``LambdaLR``.

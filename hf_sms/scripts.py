@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 import torch
@@ -34,8 +33,12 @@ def parse_args(*dataclass_types, argv: list[str] | None = None) -> tuple:
     return parser.parse_args_into_dataclasses(args=argv)
 
 
-def load_splits(dataset_name: str | None, dataset_config: str | None = None, dataset_path: str | None = None,
-                data_dir: str | None = None):  # fmt: skip
+def load_splits(
+    dataset_name: str | None,
+    dataset_config: str | None = None,
+    dataset_path: str | None = None,
+    data_dir: str | None = None,
+):
     """A ``DatasetDict`` from the Hub (or a builder such as ``imagefolder``), or from ``save_to_disk`` output."""
     import datasets
 
@@ -46,10 +49,24 @@ def load_splits(dataset_name: str | None, dataset_config: str | None = None, dat
     return datasets.load_dataset(dataset_name, dataset_config, data_dir=data_dir)
 
 
-def transformed_splits(raw, transform, test_split: str):
-    """``(train, test)`` with ``transform(training)``'s function applied on the fly; test is None if missing."""
-    train = raw["train"].with_transform(transform(True))
-    return train, raw[test_split].with_transform(transform(False)) if test_split in raw else None
+def prepared_splits(raw, prepare, args, test_split: str | None, validation_split: str | None = None) -> tuple:
+    """``(train, validation, test)`` from a ``DatasetDict``, each from ``prepare(dataset, training)``.
+
+    Validation is ``raw[validation_split]`` when that split exists, else ``args.validation_fraction`` of
+    ``raw["train"]`` split off with ``args.seed`` (as ``SparseModelSoup`` does). The split happens on the raw
+    data so that validation, used to pick soups, gets the evaluation transform (``training=False``) and
+    not the random augmentation. Test (reported only) is None when ``raw`` has no ``test_split``.
+    """
+    if validation_split is not None and validation_split == test_split:
+        raise ValueError(f"the {test_split!r} split is the test set; it cannot also be the validation set")
+    train = raw["train"]
+    if validation_split in raw:
+        val = raw[validation_split]
+    else:
+        split = train.train_test_split(test_size=args.validation_fraction, seed=args.seed)
+        train, val = split["train"], split["test"]
+    test = prepare(raw[test_split], False) if test_split in raw else None
+    return prepare(train, True), prepare(val, False), test
 
 
 def stack_collate(items: list[dict]) -> dict:
@@ -57,17 +74,7 @@ def stack_collate(items: list[dict]) -> dict:
     return {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0]}
 
 
-def finish(runner: SparseModelSoup, base_model: str | None = None, datasets: list[str] | None = None) -> None:
-    """Print the table and, with ``--push_to_hub``, upload the final soup with a model card (main process)."""
-    args = runner.args
-    if not runner.world.is_main:
-        return
-    print("\nTest metric after each phase:\n" + format_table([runner.results], "test"), flush=True)
-    if args.push_to_hub:
-        from .hub import push_to_hub
-
-        repo = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-        url = push_to_hub(os.path.join(args.output_dir, "final_soup"), repo, token=args.hub_token,
-                          private=args.hub_private_repo, base_model=base_model, datasets=datasets,
-                          metrics=runner.final_metrics())  # fmt: skip
-        print(f"[hf-sms] pushed the soup to {url}", flush=True)
+def finish(runner: SparseModelSoup) -> None:
+    """Print the table of the test metric per phase (main process)."""
+    if runner.world.is_main:
+        print("\nTest metric after each phase:\n" + format_table([runner.results], "test"), flush=True)

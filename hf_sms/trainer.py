@@ -14,12 +14,13 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from .batchnorm import recalibrate_batchnorm
+from .checkpoint import save_sparse
 from .config import SparseSoupConfig
 from .masking import MaskEnforcer
-from .pruning import Masks, PruningStep, apply_masks, prune
+from .prunable import Masks
+from .pruning import PruningStep, apply_masks, prune
 from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler
 from .seeding import EpochShuffleSampler
-from .sparse_format import save_sparse
 
 MASKS_NAME = "sparse_masks.safetensors"
 
@@ -116,6 +117,8 @@ class SparseSoupTrainer(Trainer):
             step = masks
         else:
             step = PruningStep.measure(self.model, masks)
+        if step.masks and not any(bool(m.any()) for m in step.masks.values()):
+            raise ValueError("the masks prune every weight (all False): nothing would train; True marks a kept weight")
         self.pruning_step = step
         self.process_group = process_group
         apply_masks(self.model, step.masks)
@@ -215,7 +218,7 @@ class SparseSoupTrainer(Trainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def recalibrate_batchnorm(self, dataset=None, max_batches: int | None = None):
-        """Exact BatchNorm statistics over the training data in a fixed order (METHOD §5)."""
+        """Exact BatchNorm statistics over the training data in a fixed order (docs/method.md §5)."""
         dataset = dataset if dataset is not None else self.train_dataset
         loader = torch.utils.data.DataLoader(
             self._remove_unused_columns(dataset, "training") if hasattr(dataset, "column_names") else dataset,

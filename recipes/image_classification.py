@@ -6,8 +6,11 @@
     python recipes/image_classification.py --output_dir out --dataset_name imagefolder --data_dir ./images
 
 Items reach the model as ``{"x": image tensor, "labels": class}``, the argument name of timm's forward.
+Soups are selected on ``validation_fraction`` of the train split (fixed seed) under the evaluation transform;
+``--test_split`` is only reported.
 """
 
+import json
 from dataclasses import dataclass, field
 
 import timm
@@ -15,7 +18,7 @@ import torch
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.scripts import finish, load_splits, parse_args, stack_collate, transformed_splits
+from hf_sms.scripts import finish, load_splits, parse_args, prepared_splits, stack_collate
 
 
 @dataclass
@@ -38,14 +41,16 @@ class ScriptArguments:
 
 
 def main(script_args: ScriptArguments, args: SparseSoupConfig):
-    raw = load_splits(script_args.dataset_name, script_args.dataset_config, script_args.dataset_path,
-                      script_args.data_dir)  # fmt: skip
-    num_classes = script_args.num_classes or raw["train"].features[script_args.label_column].num_classes
-    kwargs = (
-        {"img_size": script_args.image_size} if script_args.image_size and "maxvit" in script_args.model_name else {}
+    raw = load_splits(
+        script_args.dataset_name, script_args.dataset_config, script_args.dataset_path, script_args.data_dir
     )
-    model = timm.create_model(script_args.model_name, pretrained=script_args.pretrained, num_classes=num_classes,
-                              **kwargs)  # fmt: skip
+    num_classes = script_args.num_classes or raw["train"].features[script_args.label_column].num_classes
+    kwargs = json.loads(script_args.model_kwargs) if script_args.model_kwargs else {}
+    if script_args.image_size and "maxvit" in script_args.model_name:
+        kwargs.setdefault("img_size", script_args.image_size)  # MaxViT fixes its window grid at construction
+    model = timm.create_model(
+        script_args.model_name, pretrained=script_args.pretrained, num_classes=num_classes, **kwargs
+    )
     data_cfg = timm.data.resolve_data_config(model=model)
     if script_args.image_size:
         data_cfg["input_size"] = (3, script_args.image_size, script_args.image_size)
@@ -59,7 +64,9 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
 
         return apply
 
-    train, test = transformed_splits(raw, transform, script_args.test_split)
+    train, val, test = prepared_splits(
+        raw, lambda data, training: data.with_transform(transform(training)), args, script_args.test_split
+    )
     args.remove_unused_columns = False  # the transform makes the columns forward() takes
     loss = None
     if script_args.label_smoothing:
@@ -67,10 +74,20 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
         def loss(outputs, labels, num_items_in_batch=None):
             return torch.nn.functional.cross_entropy(outputs, labels, label_smoothing=script_args.label_smoothing)
 
-    runner = SparseModelSoup(model, args, train, ClassificationAccuracy(collate_fn=stack_collate), test_dataset=test,
-                             data_collator=stack_collate, compute_loss_func=loss)  # fmt: skip
+    accuracy = ClassificationAccuracy(collate_fn=stack_collate)
+    runner = SparseModelSoup(
+        model,
+        args,
+        train,
+        accuracy,
+        eval_dataset=val,
+        test_dataset=test,
+        data_collator=stack_collate,
+        compute_loss_func=loss,
+        model_card={"base_model": f"timm/{script_args.model_name}", "datasets": [script_args.dataset_name]},
+    )
     runner.run()
-    finish(runner, base_model=f"timm/{script_args.model_name}", datasets=[script_args.dataset_name])
+    finish(runner)
     return runner
 
 

@@ -5,6 +5,8 @@
     python recipes/pspnet_segmentation.py --output_dir out --dataset_path ./my_segmentation --num_classes 19
 
 Needs the `seg` extra (``pip install hf-sms[seg]``). Mask pixels equal to ``--ignore_label`` are ignored.
+Soups are selected on ``validation_fraction`` of the train split (fixed seed), not flipped; ``--test_split`` is
+only reported.
 """
 
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import MeanIoU
-from hf_sms.scripts import finish, load_splits, parse_args, stack_collate, transformed_splits
+from hf_sms.scripts import finish, load_splits, parse_args, prepared_splits, stack_collate
 
 
 @dataclass
@@ -44,8 +46,9 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
     if script_args.model_path:
         model = smp.from_pretrained(script_args.model_path)
     else:
-        model = smp.PSPNet(script_args.encoder_name, encoder_weights=script_args.encoder_weights,
-                           classes=script_args.num_classes)  # fmt: skip
+        model = smp.PSPNet(
+            script_args.encoder_name, encoder_weights=script_args.encoder_weights, classes=script_args.num_classes
+        )
     size = (script_args.crop_size, script_args.crop_size)
 
     def transform(training):
@@ -64,12 +67,17 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
 
         return apply
 
-    train, test = transformed_splits(raw, transform, script_args.test_split)
+    train, val, test = prepared_splits(
+        raw, lambda data, training: data.with_transform(transform(training)), args, script_args.test_split
+    )
     args.remove_unused_columns = False  # the transform makes the columns forward() takes
     miou = MeanIoU(script_args.num_classes, batch_size=args.per_device_eval_batch_size, collate_fn=stack_collate)
-    runner = SparseModelSoup(model, args, train, miou, test_dataset=test, data_collator=stack_collate)
+    card = {"datasets": [script_args.dataset_name or script_args.dataset_path]}
+    runner = SparseModelSoup(
+        model, args, train, miou, eval_dataset=val, test_dataset=test, data_collator=stack_collate, model_card=card
+    )
     runner.run()
-    finish(runner, datasets=[script_args.dataset_name or script_args.dataset_path])
+    finish(runner)
     return runner
 
 

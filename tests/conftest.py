@@ -71,6 +71,19 @@ def make_t5(seed: int = 0):
     return T5ForConditionalGeneration(config)
 
 
+_SAME_WIDTH_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+def float_bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a float tensor with -0.0 folded into +0.0 (pruned weights load as +0.0)."""
+    return (t + 0.0).view(_SAME_WIDTH_INT[t.dtype])
+
+
 @pytest.fixture
 def cnn():
     return make_cnn()

@@ -1,4 +1,4 @@
-"""BatchNorm recalibration (METHOD.md §5): exact averages of the per-batch statistics, momentum restored."""
+"""BatchNorm recalibration (docs/method.md §5): exact averages of the per-batch statistics, momentum restored."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import torch
 from conftest import make_resnet, make_t5
 
 from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
-from hf_sms.checkpoint_cli import merge_checkpoints
+from hf_sms.checkpoint import merge_checkpoints
 from hf_sms.cli import main
 from hf_sms.merge import uniform_soup
 
@@ -64,7 +64,7 @@ def test_merge_equals_the_in_memory_uniform_soup(tmp_path, make, out_format):
 
 
 def test_chunked_dense_merge_is_exact(tmp_path, monkeypatch):
-    monkeypatch.setattr("hf_sms.checkpoint_cli.CHUNK", 7)  # chunk edges everywhere
+    monkeypatch.setattr("hf_sms.checkpoint.merge.CHUNK", 7)  # chunk edges everywhere
     models = _replicas(make_t5)
     dirs = _save_all(models, tmp_path, ["dense", "bitmask", "dense"])
     merge_checkpoints(dirs, str(tmp_path / "soup"), format="bitmask")
@@ -132,6 +132,51 @@ def test_merge_output_rules(tmp_path, capsys):
     assert main(["merge", dirs[0], str(tmp_path / "nothing"), "--output", str(tmp_path / "x")]) == 2
 
 
+def _tree(root):
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_merge_refuses_an_output_among_the_inputs_a_file_or_a_repeated_input(tmp_path, capsys, monkeypatch):
+    _save_all(_replicas(make_resnet, m=2), tmp_path, ["bitmask"] * 2)
+    (tmp_path / "notes.txt").write_text("not a folder")
+    monkeypatch.chdir(tmp_path)
+    before = _tree(tmp_path)
+    refused = {
+        ("r0", "r1", "--output", "r1", "--overwrite"): ["is input 1", "new folder"],
+        ("r0", "r1", "--output", "./r0/"): ["is input 0", "new folder"],
+        ("r0", "r1", "--output", ".", "--overwrite"): ["contains input 0", "outside the inputs"],
+        ("r0", "r1", "--output", "notes.txt"): ["existing file", "folder path"],
+        ("r0", "r1", "--output", "notes.txt", "--overwrite"): ["existing file", "folder path"],
+        ("r0", "r0", "--output", "soup"): ["same folder as input 0", "list each checkpoint once"],
+        ("r0", "r1", "./r0/", "--output", "soup"): ["input 2 (./r0/) is the same folder as input 0", "once"],
+    }
+    for argv, messages in refused.items():
+        assert main(["merge", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert all(m in err for m in messages), (argv, err)
+        assert _tree(tmp_path) == before, argv  # nothing written, nothing replaced, no temporary folder left
+
+
+def test_inspect_measures_the_weights_and_flags_an_edited_sparsity_json(tmp_path, capsys):
+    d = save_sparse(_replicas(make_t5, m=1)[0], str(tmp_path / "t5"))
+    path = tmp_path / "t5" / "sparsity.json"
+    info = json.loads(path.read_text())
+    true = info["sparsity"]
+    info["sparsity"] = 0.99
+    info["per_tensor"]["shared.weight"]["nnz"] = 1
+    path.write_text(json.dumps(info))
+    assert main(["inspect", d, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sparsity"] == pytest.approx(true) and report["sparsity"] < 0.9
+    assert report["sparsity_json"] == "mismatch" and report["recorded"]["sparsity"] == 0.99
+    assert any(m.startswith("sparsity:") and "0.99" in m for m in report["mismatches"])
+    assert any(m.startswith("shared.weight nnz:") for m in report["mismatches"])
+    assert main(["inspect", d]) == 0
+    text = capsys.readouterr().out
+    assert f"sparsity:     {100 * true:.2f}%" in text and "measured" in text
+    assert "WARNING" in text and "sparsity.json does not match the stored weights" in text and "0.99" in text
+
+
 def test_inspect_text_and_json(tmp_path, capsys):
     model = _replicas(make_t5, m=1)[0]
     d = save_sparse(model, str(tmp_path / "t5"), recipe={"m": 3}, metrics={"bleu": 2.0})
@@ -142,12 +187,15 @@ def test_inspect_text_and_json(tmp_path, capsys):
     assert report["metrics"] == {"bleu": 2.0} and report["weights_bytes"] < report["dense_weights_bytes"]
     assert report["size_on_disk"] >= report["weights_bytes"]
     assert "shared.weight" in report["per_tensor"]
+    assert report["sparsity_json"] == "matches" and report["mismatches"] == []
+    assert "T5ForConditionalGeneration.from_pretrained" in report["how_to_load"]
     assert main(["inspect", d]) == 0
     text = capsys.readouterr().out
-    assert "format:       bitmask" in text and "shared.weight" in text and "80." in text
+    assert "format:       bitmask" in text and "shared.weight" in text and "80." in text and "WARNING" not in text
     # a plain transformers folder without sparsity.json is measured
     plain = str(tmp_path / "plain")
     model.save_pretrained(plain)
     assert main(["inspect", plain, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["sparsity"] == pytest.approx(report["sparsity"])
+    plain_report = json.loads(capsys.readouterr().out)
+    assert plain_report["sparsity"] == pytest.approx(report["sparsity"]) and plain_report["sparsity_json"] == "missing"
     assert main(["inspect", str(tmp_path / "missing")]) == 2

@@ -16,7 +16,7 @@ def test_demo_quick_writes_every_row(tmp_path, capsys):
     assert abs(results["rows"]["sms_uniform"][-1]["sparsity"] - 0.98) < 1e-4
     assert all("ensemble_test" in d and "disagreement_val" in d for d in results["sms"])
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    soup = tmp_path / "sms" / "final_soup"
+    soup = tmp_path / "final_soup"
     assert json.loads((soup / "sparsity.json").read_text())["recipe"]["m"] == [2, 2]
     out = capsys.readouterr().out
     assert format_table([results]).splitlines()[0] in out

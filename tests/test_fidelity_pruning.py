@@ -8,7 +8,8 @@ from conftest import make_t5
 from torch import nn
 
 from hf_sms.evaluation import theoretical_speedup
-from hf_sms.pruning import apply_masks, compute_masks, prunable_tensors, prune, sparsity_report
+from hf_sms.prunable import prunable_tensors
+from hf_sms.pruning import apply_masks, compute_masks, prune, sparsity_report
 
 
 def density(w: torch.Tensor) -> float:

@@ -12,7 +12,8 @@ from torch import nn
 from transformers.optimization import Adafactor
 
 from hf_sms.masking import MaskEnforcer
-from hf_sms.pruning import apply_masks, compute_masks, prunable_tensors
+from hf_sms.prunable import prunable_tensors
+from hf_sms.pruning import apply_masks, compute_masks
 
 
 class TiedLM(nn.Module):

@@ -112,7 +112,7 @@ def test_greedy_soup_keeps_candidates_whose_average_helps():
     soup = greedy_soup([plus, minus], evaluate=_distance_metric(target), recalibrate=recal)
     assert sorted(soup.greedy_info["kept"]) == [0, 1]
     assert soup.greedy_info["metric"] > max(soup.greedy_info["scores"])
-    assert len(calls) == 3  # two candidates plus one trial soup, each recalibrated before evaluation
+    assert len(calls) == 4  # two candidates, one trial soup and the soup itself, each recalibrated
 
 
 @settings(max_examples=10, deadline=None)
@@ -129,4 +129,4 @@ def test_greedy_soup_is_never_worse_than_the_best_candidate(m, seed):
 
 def test_merge_registry_rejects_unknown_methods():
     with pytest.raises(ValueError, match="unknown merge method 'ties'.*greedy.*uniform"):
-        merge("ties", _replicas(2, 0.5))
+        merge(_replicas(2, 0.5), "ties")

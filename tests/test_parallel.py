@@ -86,17 +86,17 @@ def _kill_when(cmd, marker: Path, timeout=240) -> None:
 @pytest.mark.parametrize(
     ("nproc", "marker"),
     [
-        (2, "sms/phase1/replica0/model.safetensors"),
-        pytest.param(1, "sms/phase2/replica0/model.safetensors", marks=pytest.mark.slow),
+        (2, "sms/phase1/replica0/sparsity.json"),
+        pytest.param(1, "sms/phase2/replica0/sparsity.json", marks=pytest.mark.slow),
     ],
 )
 def test_killed_run_resumes_to_the_same_soup(sequential, tmp_path, nproc, marker):
     out = tmp_path / "run"
     cmd = _cmd(nproc, "sms_digits.py", out, "--baselines", "imp", "imp_reprune")
     _kill_when(cmd, out / marker)
-    finished = sorted(p.relative_to(out) for p in out.rglob("model.safetensors"))
+    finished = sorted(p.relative_to(out) for p in out.rglob("sparsity.json"))
     mtimes = {p: (out / p).stat().st_mtime_ns for p in finished}
     _run(cmd)
     assert all((out / p).stat().st_mtime_ns == t for p, t in mtimes.items()), "a finished replica was retrained"
-    assert not list(out.rglob("*.tmp")), "a temporary file was left behind"
+    assert not list(out.rglob("*.tmp")) and not list(out.rglob(".hf_sms-*")), "a temporary file was left behind"
     assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6

@@ -1,4 +1,4 @@
-"""Magnitude pruning (METHOD.md §1-§2): prunable tensors, allocations, exact counts, masks that only grow."""
+"""Magnitude pruning (docs/method.md §1-§2): prunable tensors, allocations, exact counts, masks that only grow."""
 
 from __future__ import annotations
 
@@ -11,19 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from hf_sms.allocations import ALLOCATIONS, erk_densities, lamp_scores, register_allocation
+from hf_sms.prunable import prunable_tensors
 from hf_sms.pruning import (
-    ALLOCATIONS,
     PruningStep,
     apply_masks,
     compute_masks,
-    erk_densities,
-    lamp_scores,
     masks_from_model,
     phase_sparsities,
-    prunable_tensors,
     prune,
     pruned_norm_fraction,
-    register_allocation,
     sparsity_report,
     validate_masks,
 )

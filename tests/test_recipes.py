@@ -24,10 +24,19 @@ def _recipe(name):
 
 def _args(tmp_path, **kw):
     base = dict(
-        output_dir=str(tmp_path / "run"), target_sparsity=0.5, n_phases=1, num_replicas=2, max_steps=2,
-        per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-3, optim="adamw_torch",
-        use_cpu=True, disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        target_sparsity=0.5,
+        n_phases=1,
+        num_replicas=2,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-3,
+        optim="adamw_torch",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     return SparseSoupConfig(**{**base, **kw})
 
 
@@ -67,25 +76,62 @@ def test_shipped_configs_parse():
         assert args.retrain_schedule == "allr" and args.pretrain_epochs > 0
 
 
-def test_t5_recipe_on_local_json(tmp_path):
+@pytest.mark.parametrize("validation_file", [False, True], ids=["split-off", "own-file"])
+def test_t5_recipe_on_local_json(tmp_path, validation_file):
     from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
 
     tok = ByT5Tokenizer()
-    cfg = T5Config(vocab_size=tok.vocab_size, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
-                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = T5Config(
+        vocab_size=tok.vocab_size,
+        d_model=16,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        d_kv=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    for split, n in (("train", 40), ("test", 8)):
-        lines = [json.dumps({"translation": {"en": f"house {i}", "de": f"Haus {i}"}}) for i in range(n)]
+    for split, n in (("train", 40), ("dev", 6), ("test", 8)):
+        lines = [json.dumps({"translation": {"en": f"{split} {i}", "de": f"Haus {i}"}}) for i in range(n)]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(lines))
     t5 = _recipe("t5_wmt16")
-    script = t5.ScriptArguments(model_name_or_path=str(tmp_path / "model"), train_file=str(tmp_path / "train.jsonl"),
-                                test_file=str(tmp_path / "test.jsonl"), target_lang="de", max_source_length=16,
-                                max_target_length=8)  # fmt: skip
-    t5.main(script, _args(tmp_path))
+    script = t5.ScriptArguments(
+        model_name_or_path=str(tmp_path / "model"),
+        train_file=str(tmp_path / "train.jsonl"),
+        validation_file=str(tmp_path / "dev.jsonl") if validation_file else None,
+        test_file=str(tmp_path / "test.jsonl"),
+        target_lang="de",
+        source_prefix="",  # keeps each short source whole, so the test can tell which file it came from
+        max_source_length=16,
+        max_target_length=8,
+    )
+    runner = t5.main(script, _args(tmp_path))
     _check_run(tmp_path)
     assert (tmp_path / "run" / "final_soup" / "tokenizer_config.json").is_file()
+    val_sources = {tok.decode(item["input_ids"], skip_special_tokens=True) for item in runner.eval_dataset}
+    assert len(runner.test_dataset) == 8
+    if validation_file:  # the dataset's own dev split; train stays whole
+        assert len(runner.train_dataset) == 40
+        assert val_sources == {f"dev {i}" for i in range(6)}
+    else:  # validation_fraction of train, the rest trains
+        assert (len(runner.train_dataset), len(runner.eval_dataset)) == (36, 4)
+        train_sources = {tok.decode(item["input_ids"], skip_special_tokens=True) for item in runner.train_dataset}
+        assert val_sources.isdisjoint(train_sources) and all("train" in s for s in val_sources)
+
+
+def test_prepared_splits_refuses_test_as_validation():
+    import datasets
+
+    from hf_sms.scripts import prepared_splits
+
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"a": list(range(10))})})
+    raw["validation"] = raw["train"]
+    with pytest.raises(ValueError, match="cannot also be the validation set"):
+        prepared_splits(raw, lambda data, training: data, SparseSoupConfig("o"), "validation", "validation")
 
 
 def _imagefolder(root: Path, n: int = 8, size: int = 24):
@@ -102,19 +148,60 @@ def _imagefolder(root: Path, n: int = 8, size: int = 24):
     ("model_name", "model_kwargs"),
     [
         ("resnet10t", None),
-        ("maxvit_rmlp_nano_rw_256", '{"img_size": 32, "embed_dim": [8, 8, 8, 8], "depths": [1, 1, 1, 1], '
-         '"stem_width": 8, "transformer_dim_head": 4}'),
+        (
+            "maxvit_rmlp_nano_rw_256",
+            '{"img_size": 32, "embed_dim": [8, 8, 8, 8], "depths": [1, 1, 1, 1], '
+            '"stem_width": 8, "transformer_dim_head": 4}',
+        ),
     ],
     ids=["resnet", "maxvit"],
-)  # fmt: skip
+)
 def test_image_classification_recipe_on_an_imagefolder(tmp_path, model_name, model_kwargs):
+    import random
+
+    import datasets
+    import timm
+
     _imagefolder(tmp_path / "images")
     recipe = _recipe("image_classification")
-    script = recipe.ScriptArguments(model_name=model_name, pretrained=False, model_kwargs=model_kwargs,
-                                    image_size=32, dataset_name="imagefolder", data_dir=str(tmp_path / "images"),
-                                    test_split="test", label_smoothing=0.1)  # fmt: skip
-    recipe.main(script, _args(tmp_path, optim="sgd", learning_rate=0.01))
+    script = recipe.ScriptArguments(
+        model_name=model_name,
+        pretrained=False,
+        model_kwargs=model_kwargs,
+        image_size=32,
+        dataset_name="imagefolder",
+        data_dir=str(tmp_path / "images"),
+        test_split="test",
+        label_smoothing=0.1,
+    )
+    args = _args(tmp_path, optim="sgd", learning_rate=0.01)
+    runner = recipe.main(script, args)
     _check_run(tmp_path)
+    if model_kwargs:  # the tiny MaxViT from model_kwargs, not the 15M-parameter default
+        assert sum(p.numel() for p in runner.pretrained.parameters()) < 50_000
+
+    # Validation is split off the raw train images and gets the deterministic eval transform.
+    raw = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "images"))["train"]
+    raw = raw.train_test_split(test_size=args.validation_fraction, seed=args.seed)
+    data_cfg = {**timm.data.resolve_data_config(model=runner.pretrained), "input_size": (3, 32, 32)}
+    eval_tf = timm.data.create_transform(**data_cfg, is_training=False)
+    train_tf = timm.data.create_transform(**data_cfg, is_training=True)
+    assert (len(runner.train_dataset), len(runner.eval_dataset)) == (len(raw["train"]), len(raw["test"]))
+    for i, item in enumerate(runner.eval_dataset):
+        assert torch.equal(item["x"], runner.eval_dataset[i]["x"])
+        assert torch.equal(item["x"], eval_tf(raw["test"][i]["image"].convert("RGB")))
+        assert item["labels"] == raw["test"][i]["label"]
+
+    # Train items are random crops: the training transform under the same seeds, not the eval one.
+    def seeded(fn, seed):
+        random.seed(seed)  # timm's random-resized crop draws from random, torchvision's flips from torch
+        torch.manual_seed(seed)
+        return fn()
+
+    image = raw["train"][0]["image"].convert("RGB")
+    x0, x1 = (seeded(lambda: runner.train_dataset[0]["x"], seed) for seed in (0, 1))
+    assert torch.equal(x0, seeded(lambda: train_tf(image), 0))
+    assert not torch.equal(x0, x1) and not torch.equal(x0, eval_tf(image))
 
 
 def test_pspnet_recipe_on_a_saved_dataset(tmp_path):
@@ -134,7 +221,29 @@ def test_pspnet_recipe_on_a_saved_dataset(tmp_path):
 
     datasets.DatasetDict({"train": split(8), "validation": split(4)}).save_to_disk(tmp_path / "seg")
     recipe = _recipe("pspnet_segmentation")
-    script = recipe.ScriptArguments(encoder_name="resnet18", encoder_weights=None, num_classes=2,
-                                    dataset_path=str(tmp_path / "seg"), crop_size=32)  # fmt: skip
-    recipe.main(script, _args(tmp_path, optim="sgd", learning_rate=0.01))
+    script = recipe.ScriptArguments(
+        encoder_name="resnet18", encoder_weights=None, num_classes=2, dataset_path=str(tmp_path / "seg"), crop_size=32
+    )
+    args = _args(tmp_path, optim="sgd", learning_rate=0.01)
+    runner = recipe.main(script, args)
     _check_run(tmp_path)
+
+    # Validation comes from the raw train split, resized and normalised but never flipped.
+    raw = datasets.load_from_disk(tmp_path / "seg")["train"]
+    raw = raw.train_test_split(test_size=args.validation_fraction, seed=args.seed)
+
+    def resized(image):
+        x = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
+        x = torch.nn.functional.interpolate(x[None], (32, 32), mode="bilinear", align_corners=False)[0]
+        return (x - recipe.MEAN) / recipe.STD
+
+    assert (len(runner.train_dataset), len(runner.eval_dataset)) == (len(raw["train"]), len(raw["test"]))
+    for i, item in enumerate(runner.eval_dataset):
+        assert torch.equal(item["x"], resized(raw["test"][i]["image"]))
+        assert item["labels"][0, 0] == -100 and item["labels"].shape == (32, 32)
+    # Train items are flipped at random: both orientations show up over a few draws.
+    plain = resized(raw["train"][0]["image"])
+    torch.manual_seed(0)
+    draws = [runner.train_dataset[0]["x"] for _ in range(12)]
+    assert any(torch.equal(x, plain) for x in draws) and any(torch.equal(x, plain.flip(-1)) for x in draws)
+    assert all(torch.equal(x, plain) or torch.equal(x, plain.flip(-1)) for x in draws)

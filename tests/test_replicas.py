@@ -105,6 +105,7 @@ def test_no_two_epochs_of_a_run_share_a_data_order(tmp_path):
         train, val = Recording(64), Recording(16, seed=1)
         args = _config(tmp_path, output_dir=str(tmp_path / f"run{run}"), baselines=["imp"])
         runner = SparseModelSoup(MLP(), args, train, ClassificationAccuracy(), eval_dataset=val)
+        train.seen.clear()  # only what training reads, not the input checks before it
         soup = runner.run()
         orders.append(_epochs(train.seen, 64))
         if run == 0:
@@ -129,7 +130,9 @@ def test_replica_seeds_reach_augmentation_and_dropout(tmp_path):
             return {"x": item["x"] + noise, "labels": item["labels"]}
 
     args = _config(tmp_path, n_phases=1, num_train_epochs=1)
-    SparseModelSoup(MLP(), args, Augmented(64), ClassificationAccuracy(), eval_dataset=Recording(16, 1)).run()
+    runner = SparseModelSoup(MLP(), args, Augmented(64), ClassificationAccuracy(), eval_dataset=Recording(16, 1))
+    draws.clear()  # only what training reads, not the input checks before it
+    runner.run()
     per_replica = [tuple(draws[k : k + 64]) for k in range(0, len(draws), 64)]
     assert len(per_replica) == 3 and len(set(per_replica)) == 3
 

@@ -1,4 +1,4 @@
-"""Retraining LR schedules (METHOD.md §3), checked against formulas written out by hand."""
+"""Retraining LR schedules (docs/method.md §3), checked against formulas written out by hand."""
 
 from __future__ import annotations
 

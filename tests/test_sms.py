@@ -16,10 +16,24 @@ from hf_sms.pruning import masks_from_model
 
 def _args(tmp_path, **kw):
     base = dict(
-        output_dir=str(tmp_path / "run"), target_sparsity=0.8, n_phases=2, num_replicas=2, max_steps=4,
-        per_device_train_batch_size=32, learning_rate=0.05, optim="sgd", use_cpu=True, disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        target_sparsity=0.8,
+        n_phases=2,
+        num_replicas=2,
+        max_steps=4,
+        per_device_train_batch_size=32,
+        learning_rate=0.05,
+        optim="sgd",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     return SparseSoupConfig(**{**base, **kw})
+
+
+def _net():
+    torch.manual_seed(0)  # the same pretrained model each time: a resumed run must match it
+    return DigitsResNet(width=4)
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +96,9 @@ def test_resume_does_not_retrain_finished_replicas(tmp_path, digits):
     train, val, test = digits
     accuracy = ClassificationAccuracy()
     args = _args(tmp_path, baselines=["imp"])
-    soup, results = run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val, test_dataset=test)
+    soup, results = run_sms(_net(), args, train, accuracy, eval_dataset=val, test_dataset=test)
     with mock.patch("hf_sms.sms.SparseSoupTrainer.train", side_effect=AssertionError("retrained a finished replica")):
-        soup2, results2 = run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val, test_dataset=test)
+        soup2, results2 = run_sms(_net(), args, train, accuracy, eval_dataset=val, test_dataset=test)
     assert results2["rows"] == results["rows"]
     assert all(torch.equal(a, b) for a, b in zip(soup.state_dict().values(), soup2.state_dict().values()))
 
@@ -95,12 +109,14 @@ def test_foreign_or_changed_output_dir_is_refused(tmp_path, digits):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not empty and holds no hf-sms run.json"):
-        run_sms(DigitsResNet(width=4), _args(tmp_path), train, accuracy, eval_dataset=val)
+        run_sms(_net(), _args(tmp_path), train, accuracy, eval_dataset=val)
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
     (tmp_path / "run" / "notes.txt").unlink()
-    SparseModelSoup(DigitsResNet(width=4), _args(tmp_path), train, accuracy, eval_dataset=val)._check_output_dir()
-    with pytest.raises(ValueError, match=r"different configuration \(changed: \['num_replicas'\]\)"):
-        run_sms(DigitsResNet(width=4), _args(tmp_path, num_replicas=3), train, accuracy, eval_dataset=val)
+    run_dir = SparseModelSoup(_net(), _args(tmp_path), train, accuracy, eval_dataset=val).run_dir
+    run_dir.open()  # writes run.json
+    run_dir.close()
+    with pytest.raises(ValueError, match=r"made from something else \(changed: \['config.num_replicas'\]\)"):
+        run_sms(_net(), _args(tmp_path, num_replicas=3), train, accuracy, eval_dataset=val)
 
 
 def test_validation_is_split_off_train_with_a_fixed_seed(tmp_path, digits):
@@ -115,8 +131,16 @@ def test_validation_is_split_off_train_with_a_fixed_seed(tmp_path, digits):
 
 def test_run_sms_on_a_tiny_t5(tmp_path):
     tok = ByT5Tokenizer()
-    cfg = T5Config(vocab_size=tok.vocab_size, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
-                   decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    cfg = T5Config(
+        vocab_size=tok.vocab_size,
+        d_model=16,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        d_kv=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(cfg)
     src = tok([f"copy {i}" for i in range(40)], padding="max_length", max_length=12)
@@ -145,21 +169,27 @@ def test_corrupt_run_json_or_replica_gives_a_clear_error(tmp_path, digits):
     train, val, _ = digits
     accuracy = ClassificationAccuracy()
     args = _args(tmp_path, n_phases=1)
-    run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val)
+    run_sms(_net(), args, train, accuracy, eval_dataset=val)
     replica = tmp_path / "run" / "sms" / "phase1" / "replica0" / "model.safetensors"
     replica.write_bytes(replica.read_bytes()[:100])  # truncated, e.g. by a full disk
-    with pytest.raises(ValueError, match="replica0/model.safetensors is not a readable checkpoint.*delete it"):
-        run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val)
+    with pytest.raises(ValueError, match="replica0 is not a readable checkpoint.*delete that folder"):
+        run_sms(_net(), args, train, accuracy, eval_dataset=val)
     (tmp_path / "run" / "run.json").write_text("{not json")
     with pytest.raises(ValueError, match="run.json is corrupt"):
-        run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val)
+        run_sms(_net(), args, train, accuracy, eval_dataset=val)
 
 
 def test_m_may_differ_per_phase(tmp_path, digits):
     train, val, _ = digits
     decays = [0.0, 1e-4, 1e-3]
-    args = _args(tmp_path, n_phases=2, num_replicas=3, replicas_per_phase=[3, 2], replica_weight_decays=decays,
-                 baselines=["imp_mx"])  # fmt: skip
+    args = _args(
+        tmp_path,
+        n_phases=2,
+        num_replicas=3,
+        replicas_per_phase=[3, 2],
+        replica_weight_decays=decays,
+        baselines=["imp_mx"],
+    )
     runner = SparseModelSoup(DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val)
     runner.run()
     assert [len(d["candidates_val"]) for d in runner.results["sms"]] == [3, 2]

@@ -15,6 +15,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, compute_masks, prunable_tensors
 from hf_sms.pruning import PruningStep, prune
+from hf_sms.seeding import derive_seed
 from hf_sms.trainer import MASKS_NAME, load_masks, save_masks
 
 MODELS = {"t5": make_t5, "resnet": make_resnet, "cnn": make_cnn}
@@ -246,7 +247,7 @@ def test_masks_for_another_model_are_explained(make_args, image_dataset):
         (dict(allocation="random"), r"allocation='random' is unknown; choose one of \['erk', 'global'"),
         (dict(retrain_schedule="cosine"), r"retrain_schedule='cosine' is unknown; choose one of"),
         (dict(merge_methods=["ties"]), r"merge_methods \['ties'\] are unknown; choose from"),
-        (dict(num_replicas=0), "num_replicas must be >= 1"),
+        (dict(num_replicas=0), "num_replicas must be an integer >= 1"),
         (dict(replica_seeds=[1, 2]), "replica_seeds has 2 entries but num_replicas=3; give one per replica"),
         (dict(replica_weight_decays=[0.1]), "replica_weight_decays has 1 entries.*give one per replica"),
         (dict(replica_learning_rates=[0.1] * 4), "replica_learning_rates has 4 entries.*give one per replica"),
@@ -274,9 +275,22 @@ def test_replica_overrides(out_dir):
     cfg = SparseSoupConfig(
         output_dir=out_dir, num_replicas=2, seed=7, replica_weight_decays=[0.0, 0.1], replica_learning_rates=[0.1, 0.2]
     )
+    seeds = [derive_seed(7, "sms", 0, i) for i in range(2)]
     assert cfg.replica_overrides() == [
-        {"seed": 7, "weight_decay": 0.0, "learning_rate": 0.1, "pretrain_learning_rate": 0.1},
-        {"seed": 8, "weight_decay": 0.1, "learning_rate": 0.2, "pretrain_learning_rate": 0.2},
+        {
+            "seed": seeds[0],
+            "weight_decay": 0.0,
+            "learning_rate": 0.1,
+            "pretrain_learning_rate": 0.1,
+            "retrain_schedule": "llr",
+        },
+        {
+            "seed": seeds[1],
+            "weight_decay": 0.1,
+            "learning_rate": 0.2,
+            "pretrain_learning_rate": 0.2,
+            "retrain_schedule": "llr",
+        },
     ]
 
 

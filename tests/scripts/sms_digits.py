@@ -29,10 +29,21 @@ train = TensorDictDataset(train.x[:256], train.labels[:256], train.augment)
 torch.manual_seed(0)
 model = DigitsResNet(width=4)
 args = SparseSoupConfig(
-    output_dir=cli.output_dir, target_sparsity=0.8, n_phases=cli.phases, num_replicas=cli.replicas,
-    max_steps=cli.steps, per_device_train_batch_size=32, learning_rate=0.05, optim="sgd", use_cpu=True,
-    disable_tqdm=True, seed=0, baselines=cli.baselines, merge_methods=["greedy"], replicas_per_phase=cli.per_phase,
-)  # fmt: skip
+    output_dir=cli.output_dir,
+    target_sparsity=0.8,
+    n_phases=cli.phases,
+    num_replicas=cli.replicas,
+    max_steps=cli.steps,
+    per_device_train_batch_size=32,
+    learning_rate=0.05,
+    optim="sgd",
+    use_cpu=True,
+    disable_tqdm=True,
+    seed=0,
+    baselines=cli.baselines,
+    merge_methods=["greedy"],
+    replicas_per_phase=cli.per_phase,
+)
 soup, results = run_sms(model, args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
     save_file(

@@ -43,7 +43,7 @@ if mode == "replicas":  # 2 processes, m = 2: one replica each
     assert all(torch.equal(everyone[0][k], compute_masks(net(seed=0), 0.7)[k]) for k in mine)
     # The all-reduced mean equals the sequential mean of both replicas.
     models = [net(seed=10), net(seed=11)]
-    soup = world.average({rank: models[rank].state_dict()}, [0, 1], models[0].state_dict())
+    soup = world.average({rank: models[rank].state_dict()}, [0.5, 0.5], models[0].state_dict())
     expected = average_state_dicts([m.state_dict() for m in models])
     assert all(torch.allclose(soup[k], expected[k], atol=1e-7, rtol=0) for k in soup)
     assert world.gather({rank: f"score{rank}"}) == {0: "score0", 1: "score1"}
@@ -56,9 +56,15 @@ elif mode == "group":  # 2 processes, m = 1: the replica is data-parallel over a
     model = net(seed=0)
     start = copy.deepcopy(model)
     args = SparseSoupConfig(
-        output_dir=sys.argv[2], max_steps=5, per_device_train_batch_size=8, learning_rate=0.1, optim="sgd",
-        use_cpu=True, disable_tqdm=True, target_sparsity=0.5,
-    )  # fmt: skip
+        output_dir=sys.argv[2],
+        max_steps=5,
+        per_device_train_batch_size=8,
+        learning_rate=0.1,
+        optim="sgd",
+        use_cpu=True,
+        disable_tqdm=True,
+        target_sparsity=0.5,
+    )
     trainer = SparseSoupTrainer(model, args, train_dataset=TensorDictDataset(x, y), process_group=world.subgroup)
     trainer.train()
     params = [None, None]

@@ -1,41 +1,22 @@
-"""Sparse checkpoints: exact round trips for transformers, timm and smp in both formats, loud failures."""
+"""save_sparse / load_sparse: exact round trips for transformers, timm, smp and plain torch in both formats,
+loud failures that leave files intact, and the transformers integration."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import make_cnn, make_resnet, make_t5
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from conftest import float_bits, make_cnn, make_resnet, make_t5
 from safetensors.torch import load_file, save_file
 
-import hf_sms
-from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse, sparsity_report
+from hf_sms import apply_masks, compute_masks, load_sparse, prunable_tensors, save_sparse, sparsity_report
+from hf_sms.checkpoint import INDEX_SUFFIX, SparseCheckpoint, inspect_checkpoint, transformers_integration
+from hf_sms.checkpoint.masks import MaskStats
 from hf_sms.pruning import masks_from_model
-from hf_sms.sparse_format import (
-    BITMASK,
-    DENSE,
-    ELIAS_FANO,
-    INDEX_SUFFIX,
-    SparseCheckpoint,
-    decode_tensor,
-    encode_tensor,
-    index_info,
-    index_mask,
-)
-
-_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit pattern with -0.0 folded into +0.0 (pruned weights load as +0.0)."""
-    return (t + 0.0).view(_INT[t.dtype])
 
 
 def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module, strip: str = "") -> None:
@@ -43,74 +24,12 @@ def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module, strip: str = "") 
     assert set(sa) == set(sb)
     for k, v in sa.items():
         assert sb[k].dtype == v.dtype and torch.equal(sb[k], v), k
-        if v.dtype in _INT:
-            assert torch.equal(_bits(sb[k]), _bits(v)), k
+        if v.is_floating_point():
+            assert torch.equal(float_bits(sb[k]), float_bits(v)), k
     ma, mb = masks_from_model(a), masks_from_model(b)
     assert set(ma) == {k.removeprefix(strip) for k in mb} or strip
     for k, m in ma.items():
         assert torch.equal(mb.get(k, mb.get(strip + k)), m), k
-
-
-# -- codec ---------------------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None)
-@given(
-    shape=st.lists(st.integers(1, 48), min_size=1, max_size=3),
-    density=st.sampled_from([0.0, 0.001, 0.02, 0.1, 0.5, 0.9, 1.0]) | st.floats(0.0, 1.0),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-    codec=st.sampled_from([None, DENSE, BITMASK, ELIAS_FANO]),
-    rows=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_encode_decode_is_exact(shape, density, dtype, codec, rows, seed):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(shape, generator=g).to(dtype)
-    keep = torch.rand(shape, generator=g) < density
-    if rows and len(shape) > 1:  # structured: whole rows pruned
-        keep &= torch.rand(shape[0], *[1] * (len(shape) - 1), generator=g) < 0.5
-    t = t * keep  # leaves -0.0 where negative weights were pruned
-    if t.numel() > 3:
-        t.view(-1)[:3] = torch.tensor([float("inf"), float("nan"), -1e-30]).to(dtype)
-    values, index = encode_tensor(t, codec)
-    assert index.dtype == torch.uint8 and values.dtype == dtype and values.dim() == 1
-    out = decode_tensor(values, index)
-    assert out.shape == t.shape and out.dtype == dtype
-    assert torch.equal(_bits(out), _bits(t))
-    mask = index_mask(index)
-    assert mask is None or torch.equal(mask, t != 0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sparsity", [0.9, 0.98])
-def test_the_chosen_code_is_near_the_entropy_bound(sparsity, dtype):
-    g = torch.Generator().manual_seed(0)
-    n = 400_000
-    t = (torch.randn(n, generator=g) * (torch.rand(n, generator=g) >= sparsity)).to(dtype)
-    values, index = encode_tensor(t.reshape(800, 500))
-    s = 1 - values.numel() / n
-    index_bound = n * -(s * math.log2(s) + (1 - s) * math.log2(1 - s)) / 8
-    assert index_info(index)["codec"] == "elias-fano"
-    assert index.numel() < 1.15 * index_bound + 100  # a plain bitmask would be 2.1x (90%) to 7x (98%)
-    stored = values.numel() * values.element_size()
-    assert stored + index.numel() < 1.05 * (stored + index_bound)
-
-
-def test_corrupted_index_or_values_raise_value_error():
-    t = torch.randn(64, 64) * (torch.rand(64, 64) > 0.9)
-    values, index = encode_tensor(t)
-    flipped = index.clone()
-    flipped[-1] ^= 0xFF
-    with pytest.raises(ValueError, match="checksum|corrupted"):
-        decode_tensor(values, flipped)
-    with pytest.raises(ValueError, match="payload|truncated"):
-        decode_tensor(values, index[:-3])
-    with pytest.raises(ValueError, match="stored values"):
-        decode_tensor(values[:-1], index)
-    bad_values = values.clone()
-    bad_values[0] += 1
-    with pytest.raises(ValueError, match="checksum"):
-        decode_tensor(bad_values, index)
-    with pytest.raises(ValueError, match="header"):
-        decode_tensor(values, torch.zeros(40, dtype=torch.uint8))
 
 
 # -- round trips per family ----------------------------------------------------------------------
@@ -238,6 +157,84 @@ def test_plain_module_loads_into_a_template(tmp_path, fmt):
         load_sparse(str(tmp_path))
 
 
+class _CrossAttention(torch.nn.Module):
+    """nn.MultiheadAttention with kdim != embed_dim: separate q/k/v_proj_weight instead of in_proj_weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 2, kdim=8, vdim=8, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x[..., :8], x[..., :8])[0]
+
+
+def _transformer_encoder(seed=0):
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def _cross_attention(seed=0):
+    torch.manual_seed(seed)
+    return _CrossAttention()
+
+
+@pytest.mark.parametrize("make", [_transformer_encoder, _cross_attention], ids=["encoder", "cross-attention"])
+def test_attention_projections_are_stored_sparse(tmp_path, make):
+    model = _pruned(make(), 0.8, "global")
+    prunable = {t.name for t in prunable_tensors(model)}
+    assert any(n.endswith(("in_proj_weight", "q_proj_weight")) for n in prunable)
+    save_sparse(model, str(tmp_path))
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert {n for n in stored if n.endswith(INDEX_SUFFIX)} == {n + INDEX_SUFFIX for n in prunable}
+    info = json.loads((tmp_path / "sparsity.json").read_text())
+    assert set(info["per_tensor"]) == prunable
+    assert info["sparsity"] == pytest.approx(sparsity_report(model)["sparsity"])
+    loaded = load_sparse(str(tmp_path), model=make(seed=1))
+    _assert_same_state(model, loaded)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), loaded(x))
+
+
+def test_attention_projections_load_through_from_pretrained(tmp_path):
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class AttentionConfig(PretrainedConfig):
+        model_type = "hf-sms-test-attention"
+
+    class AttentionModel(PreTrainedModel):
+        config_class = AttentionConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+            self.post_init()
+
+        def _init_weights(self, module):
+            pass
+
+    torch.manual_seed(0)
+    model = _pruned(AttentionModel(AttentionConfig()), 0.8, "global")
+    save_sparse(model, str(tmp_path))
+    assert "attn.in_proj_weight" + INDEX_SUFFIX in load_file(str(tmp_path / "model.safetensors"))
+    _assert_same_state(model, AttentionModel.from_pretrained(str(tmp_path)))
+
+
+def test_checkpoints_saved_before_attention_weights_were_eligible_still_verify(tmp_path):
+    """Older saves counted only ``*.weight`` tensors in the mask hash; loading checks the tensors they list."""
+    model = _pruned(_transformer_encoder(), 0.8, "global")
+    save_sparse(model, str(tmp_path), "dense")
+    stats = MaskStats()
+    for name, t in model.state_dict().items():
+        if t.dim() >= 2 and name.rsplit(".", 1)[-1] == "weight":  # the rule hf-sms had before
+            stats.add(name, t != 0, "dense")
+    info = json.loads((tmp_path / "sparsity.json").read_text())
+    (tmp_path / "sparsity.json").write_text(json.dumps({**info, **stats.summary()}))
+    _assert_same_state(model, load_sparse(str(tmp_path), model=_transformer_encoder(seed=1)))
+    assert inspect_checkpoint(str(tmp_path))["sparsity_json"] == "matches"
+
+
 @pytest.mark.slow
 def test_plain_loaders_without_hf_sms(tmp_path):
     """Dense folders load with no hf-sms imported; bitmask folders fail loudly instead of loading garbage."""
@@ -347,7 +344,7 @@ def test_failed_save_leaves_existing_files_intact(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("hf_sms.sparse_format._encode", boom)
+    monkeypatch.setattr("hf_sms.checkpoint.codec.encode", boom)
     with pytest.raises(OSError):
         save_sparse(model, str(tmp_path), "bitmask")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
@@ -377,11 +374,12 @@ def test_nothing_is_unpickled(t5_dir, monkeypatch):
 
 
 def test_quantizer_is_registered_once():
-    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
-    before = AUTO_QUANTIZER_MAPPING["hf-sms-sparse"]
-    hf_sms.sparse_format.register_transformers_quantizer()
-    assert AUTO_QUANTIZER_MAPPING["hf-sms-sparse"] is before
+    assert AUTO_QUANTIZER_MAPPING["hf-sms-sparse"] is transformers_integration.SparseCheckpointQuantizer
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING["hf-sms-sparse"] is transformers_integration.SparseCheckpointConfig
+    transformers_integration.register()  # a second call changes nothing (transformers would raise)
+    assert AUTO_QUANTIZER_MAPPING["hf-sms-sparse"] is transformers_integration.SparseCheckpointQuantizer
 
 
 def test_trainer_final_save_is_a_sparse_checkpoint(make_args, t5_dataset, byt5_tokenizer, tmp_path):

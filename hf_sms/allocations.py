@@ -1,0 +1,140 @@
+"""Sparsity allocations: how a target sparsity is spread over the prunable weights (docs/method.md §2).
+
+Each allocation is a pure function ``(tensors, weights, masks, sparsity) -> masks`` in a registry, so a new
+one is one function and one decorator line. ``weights`` are detached float32 copies of the weights with
+pruned entries zeroed; ``masks`` always exist (all-True when unpruned); each tensor's ``uses`` tell which
+layers use it in which order (see :func:`hf_sms.prunable.first_use`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .prunable import Masks, PrunableTensor, first_use, last_use
+
+Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
+ALLOCATIONS: dict[str, Allocation] = {}
+
+
+def register_allocation(name: str):
+    def deco(fn: Allocation) -> Allocation:
+        if name in ALLOCATIONS:
+            raise ValueError(f"allocation {name!r} is already registered")
+        ALLOCATIONS[name] = fn
+        return fn
+
+    return deco
+
+
+def _masked_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Already-pruned weights rank below everything, so they are removed first and stay removed.
+    return scores.masked_fill(~mask, -math.inf)
+
+
+def _keep_top(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Bool mask keeping exactly ``n_keep`` largest scores (ties broken by position)."""
+    flat = scores.reshape(-1)
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    if n_keep > 0:
+        keep[torch.topk(flat, n_keep, sorted=False).indices] = True
+    return keep.view_as(scores)
+
+
+def _n_keep(numel: int, sparsity: float, alive: int) -> int:
+    # Masks only grow: never keep more than what is still alive.
+    return min(numel - round(sparsity * numel), alive)
+
+
+def _global_top(tensors, scores: dict[str, torch.Tensor], masks: Masks, sparsity: float) -> Masks:
+    flat = torch.cat([_masked_scores(scores[t.name], masks[t.name]).reshape(-1) for t in tensors])
+    alive = int(sum(int(masks[t.name].sum()) for t in tensors))
+    keep = _keep_top(flat, _n_keep(flat.numel(), sparsity, alive))
+    out, i = {}, 0
+    for t in tensors:
+        n = t.param.numel()
+        out[t.name] = keep[i : i + n].view_as(t.param)
+        i += n
+    return out
+
+
+def _per_tensor_top(tensors, scores, masks: Masks, sparsities: dict[str, float]) -> Masks:
+    return {
+        t.name: _keep_top(
+            _masked_scores(scores[t.name], masks[t.name]),
+            _n_keep(t.param.numel(), sparsities[t.name], int(masks[t.name].sum())),
+        )
+        for t in tensors
+    }
+
+
+@register_allocation("global")
+def global_magnitude(tensors, weights, masks, sparsity):
+    """One threshold on |w| over all prunable weights (the paper's default)."""
+    return _global_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, sparsity)
+
+
+@register_allocation("uniform")
+def uniform_magnitude(tensors, weights, masks, sparsity):
+    """Every prunable tensor gets the same sparsity."""
+    return _per_tensor_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, dict.fromkeys(weights, sparsity))
+
+
+@register_allocation("uniform_plus")
+def uniform_plus_magnitude(tensors, weights, masks, sparsity):
+    """Uniform, but the first conv stays dense and the last linear layer is pruned to at most 80% (Gale 2019).
+
+    First and last follow ``PrunableTensor.uses``: call order when masks get ``example_inputs``, else
+    module order. A weight tied to a later Linear (T5's shared embedding and lm_head) is a linear use there.
+    """
+    sparsities = dict.fromkeys(weights, sparsity)
+    first_conv, last_linear = first_use(tensors, "conv"), last_use(tensors, "linear")
+    if first_conv is not None:
+        sparsities[first_conv.name] = 0.0
+    if last_linear is not None:
+        sparsities[last_linear.name] = min(sparsity, 0.8)
+    return _per_tensor_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, sparsities)
+
+
+def erk_densities(shapes: dict[str, tuple[int, ...]], sparsity: float) -> dict[str, float]:
+    """Erdos-Renyi-Kernel densities (Evci et al. 2019): density ~ sum(shape)/prod(shape), total matched.
+
+    Layers whose density would exceed 1 are made dense and the rest re-solved.
+    """
+    numel = {n: math.prod(s) for n, s in shapes.items()}
+    raw = {n: sum(s) / numel[n] for n, s in shapes.items()}
+    budget = (1.0 - sparsity) * sum(numel.values())
+    dense: set[str] = set()
+    while True:
+        rest = [n for n in shapes if n not in dense]
+        eps = (budget - sum(numel[n] for n in dense)) / sum(raw[n] * numel[n] for n in rest)
+        # The tolerance keeps float error from making every layer "too dense" (0/0 at sparsity 0).
+        too_dense = {n for n in rest if eps * raw[n] > 1.0 + 1e-9}
+        if not too_dense:
+            return {n: 1.0 if n in dense else min(eps * raw[n], 1.0) for n in shapes}
+        dense |= too_dense
+
+
+@register_allocation("erk")
+def erk_magnitude(tensors, weights, masks, sparsity):
+    densities = erk_densities({t.name: tuple(t.param.shape) for t in tensors}, sparsity)
+    scores = {n: w.abs() for n, w in weights.items()}
+    return _per_tensor_top(tensors, scores, masks, {n: 1.0 - d for n, d in densities.items()})
+
+
+def lamp_scores(weight: torch.Tensor) -> torch.Tensor:
+    """LAMP (Lee et al. 2021): ``w_u^2 / sum_{v >= u} w_v^2`` over weights sorted by ``w^2`` ascending."""
+    sq = weight.reshape(-1).double() ** 2
+    sorted_sq, order = torch.sort(sq)
+    tail = sorted_sq.flip(0).cumsum(0).flip(0)  # sum over v >= u
+    scores = torch.empty_like(sq)
+    scores[order] = sorted_sq / tail.clamp_min(torch.finfo(torch.float64).tiny)
+    return scores.view_as(weight)
+
+
+@register_allocation("lamp")
+def lamp_magnitude(tensors, weights, masks, sparsity):
+    # Pruned weights are zero, so they already rank first within each tensor.
+    return _global_top(tensors, {n: lamp_scores(w * masks[n]) for n, w in weights.items()}, masks, sparsity)

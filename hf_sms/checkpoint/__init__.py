@@ -1,0 +1,48 @@
+"""Sparse checkpoints: small on disk, loadable with each model family's own loader.
+
+A checkpoint is the folder the family writes (``config.json``, tokenizer/processor files, timm's
+``config.json`` with ``pretrained_cfg``, smp's hub-mixin ``config.json``) plus ``sparsity.json``
+(sparsity, mask hash, soup recipe, metrics). Weights live in ``model.safetensors``:
+
+- ``format="dense"``: the family's own file, untouched; loads without hf-sms.
+- ``format="bitmask"``: every eligible weight ``W`` (:func:`~hf_sms.checkpoint.masks.eligible`) is stored as
+  its nonzero values under ``W`` and an index ``W.sp_index`` (:mod:`~hf_sms.checkpoint.codec`). With
+  ``hf_sms`` imported, ``AutoModel*.from_pretrained(dir)`` decodes it
+  (:mod:`~hf_sms.checkpoint.transformers_integration`); :func:`load_sparse` loads every family. A loader
+  that does not know the format fails loudly on the shape mismatch instead of loading random weights.
+
+Pruned weights are exact zeros and load as ``+0.0``. Only safetensors and JSON are ever read.
+
+Modules: ``constants`` (file names, versions), ``codec`` (one tensor <-> values and index), ``masks``
+(eligibility, sparsity statistics), ``safetensors_io`` (reading and writing weight files), ``folder``
+(atomic folders, ``sparsity.json``), ``state`` (tied tensors, strict loading), ``families`` (transformers,
+timm, smp, plain torch), ``reader`` (:class:`SparseCheckpoint`), ``sparse`` (save/load), ``merge``,
+``inspect``, ``transformers_integration`` and ``prefetch``.
+"""
+
+from .constants import FORMAT_VERSION, FORMATS, INDEX_SUFFIX, SPARSITY_NAME, WEIGHTS_NAME
+from .families import FAMILIES, Family, family_of_model, register_family
+from .inspect import inspect_checkpoint
+from .masks import eligible
+from .merge import STREAMING_METHODS, merge_checkpoints
+from .reader import SparseCheckpoint
+from .sparse import load_sparse, save_sparse
+
+__all__ = [
+    "FAMILIES",
+    "FORMATS",
+    "FORMAT_VERSION",
+    "INDEX_SUFFIX",
+    "SPARSITY_NAME",
+    "STREAMING_METHODS",
+    "WEIGHTS_NAME",
+    "Family",
+    "SparseCheckpoint",
+    "eligible",
+    "family_of_model",
+    "inspect_checkpoint",
+    "load_sparse",
+    "merge_checkpoints",
+    "register_family",
+    "save_sparse",
+]

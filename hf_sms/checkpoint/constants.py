@@ -1,0 +1,23 @@
+"""File names and version numbers of the checkpoint format, in one place."""
+
+from __future__ import annotations
+
+import re
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"  # a sharded family save; hf-sms itself writes one file
+SPARSITY_NAME = "sparsity.json"
+CONFIG_NAME = "config.json"
+CARD_NAME = "README.md"
+INDEX_SUFFIX = ".sp_index"  # "W.sp_index" holds the positions of the values stored under "W"
+TMP_PREFIX = ".hf_sms-"  # temporary folders next to the target; hidden, and skipped by Hub uploads
+
+FORMATS = ("bitmask", "dense")
+# One version for everything on disk: the index header, sparsity.json, the quantization_config and the
+# safetensors metadata. Readers refuse a newer version instead of misreading it.
+FORMAT_VERSION = 1
+QUANT_METHOD = "hf-sms-sparse"
+
+# Files a save replaces in an existing folder, and a merge does not copy from its first input.
+_WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", SPARSITY_NAME)
+STALE_FILES = re.compile(r"^(" + "|".join(map(re.escape, _WEIGHT_FILES)) + r"|model-\d+-of-\d+\.safetensors)$")

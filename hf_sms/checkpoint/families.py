@@ -1,0 +1,268 @@
+"""Model families: how each library's models are recognised, saved, built and loaded. One entry each.
+
+Every place that depends on the library (saving, building from a folder, detecting a folder without
+``sparsity.json``, patching ``config.json``, the loading snippet of model cards and ``hf-sms inspect``)
+asks the family. Adding a family is a :class:`Family` subclass and one :func:`register_family` call.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import TYPE_CHECKING
+
+from safetensors.torch import save_file
+from torch import nn
+
+from .constants import CONFIG_NAME, FORMAT_VERSION, QUANT_METHOD, WEIGHTS_NAME
+from .folder import read_json, write_json
+from .state import load_into, unique_tensors
+
+if TYPE_CHECKING:
+    from .reader import SparseCheckpoint  # reader imports this module
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a double-quoted string that is also a valid Python literal
+
+
+class Family:
+    """A model family. Subclasses set ``library`` (the name in ``sparsity.json``) and override what differs.
+
+    ``transformers_loadable``: transformers' ``from_pretrained`` reads the family's folders, so in the
+    bitmask format ``config.json`` gets the ``quantization_config`` through which transformers decodes.
+    """
+
+    library = ""
+    hub_library_name = "pytorch"  # library_name in the model card's front matter
+    transformers_loadable = False
+
+    def detects(self, model: nn.Module) -> bool:
+        """Whether ``model`` belongs to this family."""
+        return False
+
+    def architecture_of_config(self, config: dict) -> str | None:
+        """The architecture named by a ``config.json`` this family writes, else ``None``."""
+        return None
+
+    def save(self, model: nn.Module, folder: str) -> tuple[str, dict[str, str]]:
+        """Write the family's own dense folder.
+
+        Returns:
+            ``(architecture, aliases)``: the class :meth:`build` recreates, and ``{name: kept name}`` of
+            tensors stored once because they share storage.
+        """
+        raise NotImplementedError
+
+    def instantiate(self, ckpt: SparseCheckpoint, **kwargs) -> nn.Module:
+        """A model of the checkpoint's architecture, with initial weights."""
+        raise NotImplementedError
+
+    def build(self, ckpt: SparseCheckpoint, state_dict: dict, **kwargs) -> nn.Module:
+        """The model of a checkpoint with ``state_dict`` (its decoded tensors) loaded strictly."""
+        return load_into(self.instantiate(ckpt, **kwargs), state_dict, ckpt.aliases)
+
+    def patch_config(self, config: dict, fmt: str) -> dict:
+        """``config.json`` for ``fmt``: with (bitmask) or without (dense) hf-sms's quantization_config."""
+        if not self.transformers_loadable:
+            return config
+        if (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
+            del config["quantization_config"]
+        if fmt == "bitmask":
+            config["quantization_config"] = {
+                "quant_method": QUANT_METHOD,
+                "format": "bitmask",
+                "version": FORMAT_VERSION,
+                "dequantize": True,
+            }
+        return config
+
+    def write_config(self, folder: str, fmt: str) -> None:
+        """Apply :meth:`patch_config` to the folder's ``config.json``; the file is rewritten only if it changes."""
+        path = os.path.join(folder, CONFIG_NAME)
+        config = read_json(path)
+        if config is not None:
+            patched = self.patch_config(copy.deepcopy(config), fmt)
+            if patched != config:
+                write_json(path, patched)
+
+    def own_loader(self, architecture: str, fmt: str, location: str, hub: bool) -> list[str] | None:
+        """Lines that load the checkpoint with the family's own loader, or ``None`` if it cannot."""
+        return None
+
+    def load_snippet(self, architecture: str, fmt: str, location: str, hub: bool = True) -> str:
+        """Python code that loads the checkpoint (shown in model cards and by ``hf-sms inspect``).
+
+        Args:
+            architecture: the checkpoint's architecture.
+            fmt: ``"bitmask"`` or ``"dense"``.
+            location: the Hub repository id, or a local folder.
+            hub: whether ``location`` is a Hub repository.
+        """
+        lines = self.own_loader(architecture, fmt, location, hub)
+        if lines is None:
+            source = f"snapshot_download({_literal(location)})" if hub else _literal(location)
+            template = ", model=MyModel(...)" if self.library == "torch" else ""  # plain models need a template
+            download = ["from huggingface_hub import snapshot_download"] if hub else []
+            lines = ["import hf_sms", *download, "", f"model = hf_sms.load_sparse({source}{template})"]
+        return "\n".join(lines)
+
+
+class TransformersFamily(Family):
+    library = hub_library_name = "transformers"
+    transformers_loadable = True
+
+    def detects(self, model):
+        from transformers import PreTrainedModel
+
+        return isinstance(model, PreTrainedModel)
+
+    def architecture_of_config(self, config):
+        return (config.get("architectures") or [None])[0]
+
+    def save(self, model, folder):
+        model.save_pretrained(folder)
+        return type(model).__name__, {}
+
+    def build(self, ckpt, state_dict, **kwargs):
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(ckpt.directory)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the state dict is decoded already
+        cls = getattr(transformers, ckpt.architecture, None)
+        if cls is None:
+            raise ValueError(f"transformers has no class {ckpt.architecture!r}; pass model=<template> instead")
+        # transformers applies its own key renaming to the names the checkpoint was saved with.
+        model, info = cls.from_pretrained(
+            None, config=config, state_dict=state_dict, output_loading_info=True, **kwargs
+        )
+        problems = {k: sorted(map(str, v))[:5] for k, v in info.items() if v}
+        if problems:
+            raise ValueError(f"{ckpt.directory} does not load cleanly into {ckpt.architecture}: {problems}; re-save it")
+        return model
+
+    def own_loader(self, architecture, fmt, location, hub):
+        lines = [
+            f"from transformers import {architecture}",
+            "",
+            f"model = {architecture}.from_pretrained({_literal(location)})",
+        ]
+        if fmt == "bitmask":
+            lines.insert(0, "import hf_sms  # registers the sparse checkpoint format with transformers")
+        return lines
+
+
+class TimmFamily(Family):
+    library = hub_library_name = "timm"
+    transformers_loadable = True  # as TimmWrapper, through AutoModelForImageClassification
+
+    def detects(self, model):
+        return type(model).__module__.startswith("timm.") and hasattr(model, "pretrained_cfg")
+
+    def architecture_of_config(self, config):
+        return config.get("architecture") if "pretrained_cfg" in config else None
+
+    def save(self, model, folder):
+        from timm.models import save_for_hf
+
+        save_for_hf(model, folder, safe_serialization=True)
+        return read_json(os.path.join(folder, CONFIG_NAME))["architecture"], {}
+
+    def instantiate(self, ckpt, **kwargs):
+        import timm
+
+        return timm.create_model(f"local-dir:{os.path.abspath(ckpt.directory)}", pretrained=False, **kwargs)
+
+    def patch_config(self, config, fmt):
+        # transformers' TimmWrapper passes num_classes itself; timm reads it from the top level too.
+        config.get("model_args", {}).pop("num_classes", None)
+        return super().patch_config(config, fmt)
+
+    def own_loader(self, architecture, fmt, location, hub):
+        if fmt != "dense":
+            return None
+        source = _literal(f"{'hf-hub' if hub else 'local-dir'}:{location}")
+        return ["import timm", "", f"model = timm.create_model({source}, pretrained=True)"]
+
+
+class SmpFamily(Family):
+    library = "segmentation_models_pytorch"
+    hub_library_name = "segmentation-models-pytorch"
+
+    def detects(self, model):
+        return type(model).__module__.startswith("segmentation_models_pytorch") and hasattr(model, "save_pretrained")
+
+    def architecture_of_config(self, config):
+        return config.get("_model_class")
+
+    def save(self, model, folder):
+        model.save_pretrained(folder)  # huggingface_hub's PyTorchModelHubMixin
+        return type(model).__name__, {}
+
+    def instantiate(self, ckpt, **kwargs):
+        import segmentation_models_pytorch as smp
+
+        config = {k: v for k, v in (ckpt.config or {}).items() if not k.startswith("_")}
+        if "encoder_weights" in config:
+            config["encoder_weights"] = None  # the checkpoint has the weights; never download
+        return getattr(smp, ckpt.architecture)(**{**config, **kwargs})
+
+    def own_loader(self, architecture, fmt, location, hub):
+        if fmt != "dense":
+            return None
+        return ["import segmentation_models_pytorch as smp", "", f"model = smp.from_pretrained({_literal(location)})"]
+
+
+class TorchFamily(Family):
+    """Any other ``nn.Module``: the state dict (shared tensors once) in ``model.safetensors``; loads into a template."""
+
+    library = "torch"
+
+    def save(self, model, folder):
+        tensors, aliases = unique_tensors(model)
+        save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
+        return f"{type(model).__module__}.{type(model).__qualname__}", aliases
+
+    def instantiate(self, ckpt, **kwargs):
+        raise ValueError(
+            f"{ckpt.directory} holds a plain torch model ({ckpt.architecture}); pass a template: "
+            "load_sparse(directory, model=MyModel(...))"
+        )
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add a family to the registry (detection tries families in registration order, plain torch last)."""
+    if not family.library or family.library in FAMILIES:
+        raise ValueError(f"model family {family.library!r} is unnamed or already registered")
+    FAMILIES[family.library] = family
+    return family
+
+
+for _family in (TimmFamily(), SmpFamily(), TransformersFamily(), TorchFamily()):
+    register_family(_family)
+
+
+def get_family(library: str) -> Family:
+    """The family named ``library`` (as written to ``sparsity.json``)."""
+    if library not in FAMILIES:
+        raise ValueError(f"unknown model library {library!r} (known: {sorted(FAMILIES)}); upgrade hf-sms")
+    return FAMILIES[library]
+
+
+def family_of_model(model: nn.Module) -> Family:
+    """The family of ``model``; plain torch for anything no other family claims."""
+    return next((f for f in FAMILIES.values() if f.detects(model)), FAMILIES["torch"])
+
+
+def family_of_config(config: dict | None) -> tuple[Family, str] | None:
+    """``(family, architecture)`` named by a ``config.json``, or ``None`` if no family wrote it."""
+    for family in FAMILIES.values():
+        architecture = family.architecture_of_config(config or {})
+        if architecture:
+            return family, architecture
+    return None

@@ -1,0 +1,188 @@
+"""Checkpoint folders: written atomically, and the one writer of ``sparsity.json``.
+
+Every folder is written into a temporary folder next to the target (same file system, so the final
+step is a rename) and moved into place only when complete: an error never leaves a half-written folder
+and never touches an existing one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .constants import (
+    CARD_NAME,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    SPARSITY_NAME,
+    STALE_FILES,
+    TMP_PREFIX,
+    WEIGHTS_NAME,
+)
+
+# How an existing target folder is treated when the new one is installed:
+#   "new":     refuse it unless empty (merge without --overwrite);
+#   "update":  replace its weight files and sparsity.json, keep its other files (save_sparse into a
+#              Trainer's output_dir);
+#   "replace": swap it out whole (merge --overwrite).
+MODES = ("new", "update", "replace")
+
+
+def read_json(path: str) -> dict | None:
+    """The JSON object in ``path``, or ``None`` if there is no such file; ``ValueError`` if it is not JSON."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); restore it or re-save the checkpoint") from None
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write ``data`` as indented JSON with a final newline (diff-friendly, like transformers' config files)."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def weight_files(directory: str) -> list[str]:
+    """The safetensors files of a folder: the shards its index lists, else ``model.safetensors``."""
+    index = read_json(os.path.join(directory, INDEX_NAME))
+    if index is not None:
+        return sorted({os.path.join(directory, v) for v in index["weight_map"].values()})
+    path = os.path.join(directory, WEIGHTS_NAME)
+    if os.path.isfile(path):
+        return [path]
+    raise ValueError(
+        f"{directory} holds no {WEIGHTS_NAME} (nor {INDEX_NAME}): it is not a checkpoint folder. Save one with "
+        "hf_sms.save_sparse(model, directory) or the model family's save_pretrained / save_for_hf."
+    )
+
+
+def check_target(directory: str, mode: str, replace_hint: str = "replace it explicitly") -> None:
+    """Raise ``ValueError`` if a folder may not be written to ``directory`` in ``mode`` (see ``MODES``).
+
+    Args:
+        directory: the target folder.
+        mode: ``"new"``, ``"update"`` or ``"replace"``.
+        replace_hint: how the caller's user asks for ``"replace"`` (e.g. a command-line flag), for the message.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{directory} is an existing file, not a folder; give a folder path (it is created)")
+    if mode == "new" and os.path.isdir(directory) and os.listdir(directory):
+        raise ValueError(f"{directory} exists and is not empty; choose a new folder or {replace_hint}")
+
+
+@contextmanager
+def atomic_folder(directory: str, mode: str = "new") -> Iterator[str]:
+    """Write a folder atomically: yields a temporary folder to fill, installed at ``directory`` on success.
+
+    Args:
+        directory: the target folder; its parent is created if missing.
+        mode: how an existing ``directory`` is treated (see ``MODES``); checked before and after writing.
+
+    Yields:
+        The temporary folder, in ``directory``'s parent. It is removed if the body raises.
+    """
+    check_target(directory, mode)
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)
+    try:
+        yield tmp
+        check_target(directory, mode)  # something may have appeared there meanwhile
+        _install(tmp, directory, mode)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install(tmp: str, directory: str, mode: str) -> None:
+    if not os.path.exists(directory) or not os.listdir(directory):
+        os.replace(tmp, directory)  # a rename replaces an empty folder too
+    elif mode == "replace":
+        old = tmp + ".old"
+        os.replace(directory, old)
+        try:
+            os.replace(tmp, directory)
+        except BaseException:
+            os.replace(old, directory)  # put the existing folder back rather than lose it
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        _update(tmp, directory)
+
+
+def _update(tmp: str, directory: str) -> None:
+    """Move the files of ``tmp`` into ``directory``, dropping stale weight files and keeping the others."""
+    new = set(os.listdir(tmp))
+    for name in os.listdir(directory):
+        if STALE_FILES.match(name) and name not in new:
+            os.remove(os.path.join(directory, name))
+    # sparsity.json last: a folder with it is complete.
+    for name in sorted(new, key=lambda n: n == SPARSITY_NAME):
+        dst = os.path.join(directory, name)
+        if os.path.isdir(dst) and not os.path.islink(dst):
+            shutil.rmtree(dst)
+        os.replace(os.path.join(tmp, name), dst)
+
+
+def copy_companion_files(src: str, dst: str) -> None:
+    """Copy a checkpoint's config and processor files (not its weights, sparsity.json or model card)."""
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not STALE_FILES.match(name) and name != CARD_NAME and not name.startswith("."):
+            shutil.copy2(path, os.path.join(dst, name))
+
+
+def write_sparsity(
+    folder: str,
+    *,
+    format: str,
+    library: str,
+    architecture: str,
+    stats: dict,
+    recipe: dict | None = None,
+    metrics: dict | None = None,
+    aliases: dict[str, str] | None = None,
+) -> dict:
+    """Write ``sparsity.json``, the record that makes a folder an hf-sms checkpoint.
+
+    Args:
+        folder: the checkpoint folder.
+        format: ``"bitmask"`` or ``"dense"``.
+        library: the model family (see :mod:`hf_sms.checkpoint.families`).
+        architecture: the class the family builds.
+        stats: :meth:`MaskStats.summary` of the stored weights (sparsity, numel, nnz, mask_hash, per_tensor).
+        recipe: the soup recipe.
+        metrics: evaluation metrics.
+        aliases: ``{name: kept name}`` of tensors stored once because they share storage.
+
+    Returns:
+        The record written.
+    """
+    info = {
+        "hf_sms_format_version": FORMAT_VERSION,
+        "format": format,
+        "library": library,
+        "architecture": architecture,
+        **stats,
+        "recipe": recipe,
+        "metrics": metrics,
+    }
+    if aliases:
+        info["aliases"] = aliases
+    write_json(os.path.join(folder, SPARSITY_NAME), info)
+    return info
+
+
+def read_sparsity(folder: str) -> dict | None:
+    """The ``sparsity.json`` record of a folder, or ``None`` if it has none."""
+    return read_json(os.path.join(folder, SPARSITY_NAME))

@@ -1,0 +1,210 @@
+"""Streaming uniform soup of checkpoint folders (``hf-sms merge``), without building models.
+
+Memory is the output plus about one tensor per input, not m models: inputs sharing an index average
+only their stored values, others are averaged in chunks of the flattened tensor. Every average goes
+through :mod:`hf_sms.averaging`, so the result equals :func:`hf_sms.uniform_soup` of the loaded models
+bit for bit. Inputs whose architecture or masks differ are refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..averaging import Accumulator
+from .codec import decode_tensor, index_info, mask_part, restamp_index
+from .constants import FORMATS, INDEX_SUFFIX, WEIGHTS_NAME
+from .folder import atomic_folder, check_target, copy_companion_files, write_sparsity
+from .masks import eligible
+from .reader import SparseCheckpoint
+from .safetensors_io import WeightsWriter
+
+STREAMING_METHODS = ("uniform",)
+CHUNK = 1 << 22  # elements per step of the dense merge: memory is the output plus a few such chunks
+
+
+def _check_request(inputs: list[str], output: str, method: str, format: str, overwrite: bool) -> None:
+    """Refuse a merge that cannot be right, from its arguments and paths alone."""
+    if method not in STREAMING_METHODS:
+        hint = (
+            " GreedySoup needs an evaluation function: use hf_sms.greedy_soup in Python." if method == "greedy" else ""
+        )
+        raise ValueError(f"unknown streaming merge method {method!r}; choose one of {STREAMING_METHODS}.{hint}")
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if len(inputs) < 2:
+        raise ValueError("merge needs at least two checkpoint folders")
+    # realpath: "a", "./a/" and a symlink to a are one folder.
+    real = [os.path.realpath(d) for d in inputs]
+    first: dict[str, int] = {}
+    for i, path in enumerate(real):
+        if path in first:
+            j = first[path]
+            raise ValueError(
+                f"input {i} ({inputs[i]}) is the same folder as input {j} ({inputs[j]}); list each checkpoint "
+                "once (a folder given twice would count twice in the soup)"
+            )
+        first[path] = i
+    out = os.path.realpath(output)
+    for i, path in enumerate(real):
+        if path == out:
+            raise ValueError(
+                f"the output {output} is input {i} ({inputs[i]}); write the soup to a new folder, e.g. "
+                f"--output {os.path.join(os.path.dirname(path), 'soup')}"
+            )
+        if os.path.commonpath([path, out]) == out:
+            raise ValueError(
+                f"the output {output} contains input {i} ({inputs[i]}), which writing it would delete; "
+                "choose an output folder outside the inputs"
+            )
+    check_target(output, "replace" if overwrite else "new", replace_hint="pass --overwrite to replace it")
+
+
+def _check_same_architecture(ckpts: list[SparseCheckpoint]) -> None:
+    ref = ckpts[0]
+    for i, c in enumerate(ckpts[1:], 1):
+        where = f"input {i} ({c.directory}) and input 0 ({ref.directory})"
+        if (c.library, c.architecture) != (ref.library, ref.architecture):
+            raise ValueError(
+                f"{where} are different architectures ({c.library} {c.architecture} vs {ref.library} "
+                f"{ref.architecture}); only replicas of one model can be merged"
+            )
+        if set(c.names()) != set(ref.names()):
+            diff = sorted(set(c.names()) ^ set(ref.names()))[:5]
+            raise ValueError(f"{where} hold different tensors (e.g. {diff}); only replicas of one model can be merged")
+        for name in ref.names():
+            if c.spec(name) != ref.spec(name):
+                (s1, d1), (s0, d0) = c.spec(name), ref.spec(name)
+                raise ValueError(f"{where} differ in {name!r}: {tuple(s1)} {d1} vs {tuple(s0)} {d0}")
+
+
+def _masks_differ(ckpts: list[SparseCheckpoint], i: int, name: str) -> ValueError:
+    return ValueError(
+        f"input {i} ({ckpts[i].directory}) and input 0 have different masks in {name!r}, so their average "
+        "would not be sparse. Merge only replicas retrained from the same pruned model."
+    )
+
+
+def _check_same_masks(ckpts: list[SparseCheckpoint]) -> None:
+    ref = ckpts[0]
+    recorded = [(c.info or {}).get("per_tensor") or {} for c in ckpts]
+    for name in (n for n in ref.names() if eligible(n, *ref.spec(n))):
+        hashes = [r.get(name, {}).get("mask_hash") for r in recorded]
+        if all(hashes):  # recorded at save time; the merge pass re-checks the data itself
+            for i, h in enumerate(hashes[1:], 1):
+                if h != hashes[0]:
+                    raise _masks_differ(ckpts, i, name)
+            continue
+        mask = ref.mask(name)
+        for i, c in enumerate(ckpts[1:], 1):
+            if not torch.equal(c.mask(name), mask):
+                raise _masks_differ(ckpts, i, name)
+
+
+def _same_zeros(tensors: Iterable[torch.Tensor], ckpts: list[SparseCheckpoint], name: str) -> Iterator[torch.Tensor]:
+    """Pass the inputs' tensors (or chunks) through, raising as soon as one's zeros differ from input 0's."""
+    mask = None
+    for i, t in enumerate(tensors):
+        if mask is None:
+            mask = t != 0
+        elif not torch.equal(t != 0, mask):
+            raise _masks_differ(ckpts, i, name)
+        yield t
+
+
+def _average(tensors: Iterable[torch.Tensor], weight: float) -> torch.Tensor:
+    """Mean through the one averaging kernel, holding one input at a time (``tensors`` may be a generator)."""
+    acc = None
+    for t in tensors:
+        acc = Accumulator(t) if acc is None else acc
+        acc.add(t, weight)
+    return acc.result()
+
+
+def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: float):
+    """Inputs stored with the same index: average their stored values only; ``(values, index)`` or None."""
+    if not all(c.is_encoded(name) for c in ckpts):
+        return None
+    indexes = [c.read_raw(name + INDEX_SUFFIX) for c in ckpts]
+    if any(mask_part(i) != mask_part(indexes[0]) for i in indexes[1:]):
+        return None
+    values = (c.read_raw(name) for c in ckpts)
+    if index_info(indexes[0])["codec"] == "dense":  # zeros are among the values: compare them
+        values = _same_zeros(values, ckpts, name)
+    values = _average(values, weight)
+    return values, restamp_index(indexes[0], values)
+
+
+def _merge_dense(ckpts: list[SparseCheckpoint], name: str, weight: float) -> torch.Tensor:
+    """Average in chunks of the flattened tensor, checking masks on the way (dense or mixed inputs)."""
+    shape, dtype = ckpts[0].spec(name)
+    readers = [c.chunk_reader(name) for c in ckpts]
+    out = torch.empty(math.prod(shape), dtype=dtype)
+    for start in range(0, out.numel(), CHUNK):
+        stop = min(start + CHUNK, out.numel())
+        chunks = (read(start, stop) for read in readers)
+        if eligible(name, shape, dtype):
+            chunks = _same_zeros(chunks, ckpts, name)
+        out[start:stop] = _average(chunks, weight)
+    return out.reshape(shape)
+
+
+def _merge_tensor(ckpts: list[SparseCheckpoint], name: str, weight: float, writer: WeightsWriter) -> None:
+    if not ckpts[0].spec(name)[1].is_floating_point:
+        writer.add(name, _average((c.read(name) for c in ckpts), weight))  # integers: input 0's
+        return
+    merged = _merge_encoded(ckpts, name, weight)
+    if merged is not None and 0 not in merged[0]:  # the usual case: the index is kept as it is
+        writer.add_encoded(name, *merged)
+        return
+    # A kept weight that averaged to exactly zero drops out of the mask: re-encode the dense result.
+    writer.add(name, decode_tensor(*merged, name) if merged is not None else _merge_dense(ckpts, name, weight))
+
+
+def merge_checkpoints(
+    inputs: list[str], output: str, method: str = "uniform", format: str = "bitmask", overwrite: bool = False
+) -> dict:
+    """Uniform soup of checkpoint folders, streamed tensor by tensor; equals :func:`hf_sms.uniform_soup`.
+
+    Args:
+        inputs: folders written by :func:`hf_sms.save_sparse` (either format) or a family's own saver;
+            each folder once.
+        output: the folder to write; must be new or empty unless ``overwrite``, and not one of the inputs.
+        method: ``"uniform"`` (greedy needs an evaluation function: use :func:`hf_sms.greedy_soup`).
+        format: ``"bitmask"`` or ``"dense"``, independent of the inputs' formats.
+        overwrite: replace an existing non-empty ``output`` (swapped in when complete).
+
+    Returns:
+        The ``sparsity.json`` written. Raises ``ValueError`` before writing anything if the arguments,
+        architectures or masks do not allow the merge.
+    """
+    _check_request(inputs, output, method, format, overwrite)
+    ckpts = [SparseCheckpoint(d) for d in inputs]
+    _check_same_architecture(ckpts)
+    _check_same_masks(ckpts)  # Step 1: refuse before writing anything
+    ref, weight = ckpts[0], 1.0 / len(ckpts)
+    with atomic_folder(output, "replace" if overwrite else "new") as tmp:
+        # Step 2: average tensor by tensor, as hf_sms.merge.average_state_dicts does (same kernel, same order)
+        writer = WeightsWriter(format)
+        for name in ref.names():
+            _merge_tensor(ckpts, name, weight, writer)
+        stats = writer.save(os.path.join(tmp, WEIGHTS_NAME))
+        del writer
+        # Step 3: the folder: input 0's config and processor files, the merged weights, sparsity.json
+        copy_companion_files(ref.directory, tmp)
+        ref.family.write_config(tmp, format)
+        recipe = dict((ref.info or {}).get("recipe") or {})
+        recipe.update(m=len(ckpts), merge_method=method, merged_from=[os.path.abspath(d) for d in inputs])
+        info = write_sparsity(
+            tmp,
+            format=format,
+            library=ref.library,
+            architecture=ref.architecture,
+            stats=stats.summary(),
+            recipe=recipe,
+            aliases=ref.aliases,
+        )
+    return info

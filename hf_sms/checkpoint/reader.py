@@ -1,0 +1,126 @@
+"""Read access to a checkpoint folder (either format, or a family's own dense save), tensor by tensor."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .codec import decode_tensor, index_info, index_mask
+from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
+from .families import Family, family_of_config, get_family
+from .folder import read_json, read_sparsity, weight_files
+from .masks import MaskStats
+from .safetensors_io import SafetensorsFile, workers
+
+
+class SparseCheckpoint:
+    """A checkpoint folder, read tensor by tensor by the names it was saved with.
+
+    Attributes:
+        info: the ``sparsity.json`` record, or ``None`` for a family's own save.
+        config: ``config.json``, if any.
+        family, library, architecture: the model family and the class it builds.
+        files: the :class:`SafetensorsFile` s holding the weights.
+        format: ``"bitmask"`` if any tensor is stored encoded, else ``"dense"``.
+    """
+
+    def __init__(self, directory: str):
+        if not os.path.isdir(directory):
+            raise ValueError(f"{directory} is not a directory")
+        self.directory = directory
+        self.info = read_sparsity(directory)
+        self.config = read_json(os.path.join(directory, CONFIG_NAME))
+        known = family_of_config(self.config)
+        if self.info is not None:
+            self.library, self.architecture = self.info.get("library"), self.info.get("architecture")
+        elif known is not None:
+            self.library, self.architecture = known[0].library, known[1]
+        else:
+            raise ValueError(
+                f"{directory} has neither {SPARSITY_NAME} nor a transformers/timm/smp {CONFIG_NAME}: not a model "
+                "checkpoint. Save one with hf_sms.save_sparse(model, directory)."
+            )
+        self.files = [SafetensorsFile(p) for p in weight_files(directory)]
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in self.files:
+            for key in f.keys():
+                if key in self._where:
+                    raise ValueError(f"tensor {key!r} appears in two weight files of {directory}; re-save it")
+                self._where[key] = f
+        self._names = [k for k in self._where if not k.endswith(INDEX_SUFFIX)]
+        for key in self._where:
+            if key.endswith(INDEX_SUFFIX) and key[: -len(INDEX_SUFFIX)] not in self._where:
+                raise ValueError(f"{directory}: {key!r} has no values tensor; the checkpoint is incomplete, re-save it")
+        self.format = "bitmask" if len(self._names) < len(self._where) else "dense"
+
+    @property
+    def family(self) -> Family:
+        return get_family(self.library)
+
+    @property
+    def aliases(self) -> dict[str, str] | None:
+        """``{name: kept name}`` of tensors stored once because they share storage."""
+        return (self.info or {}).get("aliases")
+
+    def names(self) -> list[str]:
+        """The tensors' names (an encoded tensor's index is not listed separately)."""
+        return list(self._names)
+
+    def is_encoded(self, name: str) -> bool:
+        return name + INDEX_SUFFIX in self._where
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """``(shape, dtype)`` of the dense tensor."""
+        dtype, shape, _, _ = self._where[name].entries[name]
+        if self.is_encoded(name):
+            shape = tuple(index_info(self.read_raw(name + INDEX_SUFFIX), name)["shape"])
+        return shape, dtype
+
+    def read_raw(self, key: str) -> torch.Tensor:
+        """A stored tensor as it is in the file (for an encoded tensor: its values, or ``name.sp_index``)."""
+        return self._where[key].read(key)
+
+    def read_encoded(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(values, index)`` of an encoded tensor, else ``None``."""
+        if not self.is_encoded(name):
+            return None
+        return self.read_raw(name), self.read_raw(name + INDEX_SUFFIX)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The dense tensor."""
+        enc = self.read_encoded(name)
+        return self.read_raw(name) if enc is None else decode_tensor(*enc, name=name)
+
+    def chunk_reader(self, name: str) -> Callable[[int, int], torch.Tensor]:
+        """``read(start, stop)``: a slice of the flattened tensor; reads only that slice if stored dense."""
+        if self.is_encoded(name):
+            flat = self.read(name).reshape(-1)
+            return lambda start, stop: flat[start:stop]
+        f = self._where[name]
+        return lambda start, stop: f.read_range(name, start, stop)
+
+    def mask(self, name: str) -> torch.Tensor:
+        """The nonzero mask; read from the index alone unless its codec is DENSE (zeros among the values)."""
+        if not self.is_encoded(name):
+            return self.read_raw(name) != 0
+        mask = index_mask(self.read_raw(name + INDEX_SUFFIX), name)
+        return mask if mask is not None else self.read(name) != 0
+
+    def codec(self, name: str) -> str:
+        """How a tensor is stored: its index's codec, or ``"dense"``."""
+        return index_info(self.read_raw(name + INDEX_SUFFIX), name)["codec"] if self.is_encoded(name) else "dense"
+
+    def mask_stats(self, names: Iterable[str]) -> MaskStats:
+        """Sparsity, codec and mask hash of each of ``names``, measured from the stored tensors."""
+        stats = MaskStats()
+        for name in names:
+            stats.add(name, self.mask(name), self.codec(name))
+        return stats
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor, dense, read and decoded on a thread pool (numpy and file reads release the GIL)."""
+        with ThreadPoolExecutor(max_workers=workers()) as pool:
+            return dict(zip(self._names, pool.map(self.read, self._names)))

@@ -1,0 +1,150 @@
+"""Reading safetensors files tensor by tensor (no pickle, no mmap) and writing hf-sms weight files.
+
+The reader opens the file per read instead of mapping it, so streaming over many files does not keep
+them all resident; every header entry is validated up front, so truncated or malformed files raise a
+``ValueError`` before any tensor is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from . import codec
+from .constants import FORMAT_VERSION, INDEX_SUFFIX
+from .masks import MaskStats, eligible
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER = 100_000_000  # safetensors' own limit
+_FIX = "re-save the checkpoint or re-download the file"
+
+
+def workers() -> int:
+    """Threads for reading and decoding: numpy, zlib and file reads release the GIL; more than 4 rarely help."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+class SafetensorsFile:
+    """Header-validated reader of one ``.safetensors`` file; each :meth:`read` reads one tensor."""
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 0 < n <= min(size - 8, _MAX_HEADER):
+                raise ValueError(f"{path} is not a valid safetensors file (bad or truncated header); {_FIX}")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path} has a corrupted safetensors header ({e}); {_FIX}") from None
+        self.data_start = 8 + n
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for key, e in header.items():
+            try:
+                dtype, shape, (begin, end) = _DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{path}: entry {key!r} is malformed or has an unsupported dtype; {_FIX}") from None
+            if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+                raise ValueError(f"{path}: entry {key!r} has a size that does not match its shape; {_FIX}")
+            if self.data_start + end > size:
+                raise ValueError(
+                    f"{path} is truncated: {key!r} ends at byte {self.data_start + end} but the file has {size}; {_FIX}"
+                )
+            self.entries[key] = (dtype, shape, begin, end)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def _read_bytes(self, key: str, offset: int, nbytes: int) -> np.ndarray:
+        buf = bytearray(nbytes)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + offset)
+            if f.readinto(buf) != nbytes:
+                raise ValueError(f"{self.path} is truncated while reading {key!r}; {_FIX}")
+        # numpy, not torch.frombuffer: stays on the CPU inside transformers' meta-device init context
+        return np.frombuffer(buf, np.uint8)
+
+    def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of the flattened tensor ``key``."""
+        dtype, _, begin, _ = self.entries[key]
+        raw = self._read_bytes(key, begin + start * dtype.itemsize, (stop - start) * dtype.itemsize)
+        return torch.from_numpy(raw).view(dtype)
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor ``key``, in its dtype and shape."""
+        dtype, shape, begin, end = self.entries[key]
+        return torch.from_numpy(self._read_bytes(key, begin, end - begin)).view(dtype).reshape(shape)
+
+
+class WeightsWriter:
+    """Collects the tensors of one weight file in a format, with the mask statistics of the eligible ones.
+
+    In ``"bitmask"`` every eligible tensor ``W`` becomes ``W`` (its values) and ``W.sp_index``; in
+    ``"dense"`` tensors are stored as they are. Other tensors are always stored as they are.
+    """
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.stats = MaskStats()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Add a dense tensor, encoding it if it is eligible and the format is bitmask."""
+        t = tensor.detach().to("cpu").contiguous()
+        if not eligible(name, t.shape, t.dtype):
+            self.tensors[name] = t
+            return
+        flat = t.reshape(-1)
+        keep = (flat != 0).numpy()
+        if self.fmt == "bitmask":
+            values, index = codec.encode(flat, keep, tuple(t.shape))
+            self.tensors[name], self.tensors[name + INDEX_SUFFIX] = values, index
+            self.stats.add(name, keep, codec.index_info(index, name)["codec"], t.shape)
+        else:
+            self.tensors[name] = t
+            self.stats.add(name, keep, "dense", t.shape)
+
+    def add_encoded(self, name: str, values: torch.Tensor, index: torch.Tensor) -> None:
+        """Add a tensor given as ``(values, index)`` without re-encoding it in the bitmask format.
+
+        Args:
+            name: the tensor's name.
+            values: its stored values (e.g. averaged values under an unchanged index).
+            index: the index placing them.
+        """
+        info = codec.index_info(index, name)
+        if self.fmt == "bitmask":
+            self.tensors[name], self.tensors[name + INDEX_SUFFIX] = values, index
+        else:
+            self.tensors[name] = codec.decode_tensor(values, index, name)
+        if eligible(name, info["shape"], values.dtype):
+            mask = codec.stored_mask(values, index, name)
+            self.stats.add(name, mask, info["codec"] if self.fmt == "bitmask" else "dense")
+
+    def save(self, path: str) -> MaskStats:
+        """Write the collected tensors to ``path``; returns the mask statistics."""
+        save_file(self.tensors, path, metadata={"format": "pt", "hf_sms": f"{self.fmt}-v{FORMAT_VERSION}"})
+        return self.stats

@@ -1,0 +1,135 @@
+"""``save_sparse`` and ``load_sparse``: sparse checkpoints in the folder layout each family's loader knows."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .constants import FORMATS, INDEX_NAME, SPARSITY_NAME, WEIGHTS_NAME
+from .families import family_of_model
+from .folder import atomic_folder, weight_files, write_sparsity
+from .masks import MaskStats, eligible
+from .reader import SparseCheckpoint
+from .safetensors_io import SafetensorsFile, WeightsWriter
+from .state import load_into
+
+
+def _store_weights(folder: str, fmt: str) -> MaskStats:
+    """Turn the family's dense weight files in ``folder`` into ``fmt``; returns their mask statistics.
+
+    The dense format keeps the family's files untouched (they load without hf-sms); the bitmask format
+    re-encodes every tensor into one ``model.safetensors``.
+    """
+    files = [SafetensorsFile(p) for p in weight_files(folder)]
+    tensors = ((k, f.read(k)) for f in files for k in f.keys())
+    if fmt == "dense":
+        stats = MaskStats()
+        for name, t in tensors:
+            if eligible(name, t.shape, t.dtype):
+                stats.add(name, t != 0, "dense")
+        return stats
+    writer = WeightsWriter(fmt)
+    for name, t in tensors:
+        writer.add(name, t)
+    new_path = os.path.join(folder, WEIGHTS_NAME + ".new")
+    stats = writer.save(new_path)
+    for f in files:
+        os.remove(f.path)
+    if os.path.exists(os.path.join(folder, INDEX_NAME)):
+        os.remove(os.path.join(folder, INDEX_NAME))
+    os.replace(new_path, os.path.join(folder, WEIGHTS_NAME))
+    return stats
+
+
+def save_sparse(
+    model: nn.Module,
+    directory: str,
+    format: str = "bitmask",
+    *,
+    recipe: dict | None = None,
+    metrics: dict | None = None,
+    processing_class=None,
+) -> str:
+    """Save ``model`` as a checkpoint folder its family's loader knows, plus ``sparsity.json``.
+
+    Args:
+        model: a transformers, timm, segmentation_models_pytorch or plain torch model (plain models
+            load back with ``load_sparse(directory, model=template)``).
+        directory: the folder; created if missing. Weight files and ``sparsity.json`` already there are
+            replaced, other files are kept. Everything is written to a temporary folder first, so an
+            error leaves existing files intact.
+        format: ``"bitmask"`` (small; loads with ``from_pretrained`` once ``hf_sms`` is imported, and with
+            :func:`load_sparse`) or ``"dense"`` (plain family format, loads without hf-sms).
+        recipe: the soup recipe, e.g. ``{"phases": [...], "m": 3, "varied": "seed", "merge_method": "uniform"}``.
+        metrics: e.g. ``{"accuracy": 0.91}``.
+        processing_class: a tokenizer / image processor to save alongside.
+
+    Returns:
+        ``directory``.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    family = family_of_model(model)
+    with atomic_folder(directory, "update") as tmp:
+        architecture, aliases = family.save(model, tmp)
+        if processing_class is not None:
+            processing_class.save_pretrained(tmp)
+        stats = _store_weights(tmp, format)
+        family.write_config(tmp, format)
+        write_sparsity(
+            tmp,
+            format=format,
+            library=family.library,
+            architecture=architecture,
+            stats=stats.summary(),
+            recipe=recipe,
+            metrics=metrics,
+            aliases=aliases,
+        )
+    return directory
+
+
+def _check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor]) -> None:
+    """Raise if the loaded weights do not have the mask hash recorded in ``sparsity.json``."""
+    expected = (ckpt.info or {}).get("mask_hash")
+    if not expected:
+        return
+    # The hash covers the tensors the saver counted; recomputing over the same names keeps checkpoints
+    # valid when the eligibility rule grows (e.g. MultiheadAttention's in_proj_weight).
+    recorded = (ckpt.info or {}).get("per_tensor")
+    names = (
+        list(recorded) if recorded is not None else [n for n, t in state_dict.items() if eligible(n, t.shape, t.dtype)]
+    )
+    stats = MaskStats()
+    for name in names:
+        if name in state_dict:
+            stats.add(name, state_dict[name] != 0, "")
+    if len(stats.per_tensor) != len(names) or stats.summary()["mask_hash"] != expected:
+        raise ValueError(
+            f"the weights of {ckpt.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
+            "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
+        )
+
+
+def load_sparse(directory: str, model: nn.Module | None = None, *, verify: bool = True, **kwargs) -> nn.Module:
+    """Load a checkpoint folder written by :func:`save_sparse` (either format) or by a family's own saver.
+
+    Args:
+        directory: the folder.
+        model: a template to load into (required for plain torch models); loaded strictly, in place.
+        verify: check the loaded masks against the hash in ``sparsity.json``.
+        **kwargs: passed to the family's constructor (``from_pretrained`` for transformers,
+            ``timm.create_model`` for timm, the model class for smp).
+
+    Returns:
+        The model, in eval mode. Raises ``ValueError`` if a tensor is missing, unexpected, misshapen or corrupted.
+    """
+    ckpt = SparseCheckpoint(directory)
+    state_dict = ckpt.state_dict()
+    if verify:
+        _check_masks(ckpt, state_dict)
+    if model is not None:
+        return load_into(model, state_dict, ckpt.aliases).eval()
+    return ckpt.family.build(ckpt, state_dict, **kwargs).eval()

@@ -1,0 +1,67 @@
+"""State dicts with shared tensors: stored once on save, loaded strictly on load."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state dict of ``model`` with each storage kept once (safetensors refuses shared tensors).
+
+    Args:
+        model: any module.
+
+    Returns:
+        ``(tensors, aliases)``: the CPU tensors to store, and ``{dropped name: kept name}`` for the tensors
+        that share storage, offset and shape with a kept one (tied weights).
+    """
+    seen: dict[tuple, str] = {}
+    tensors, aliases = {}, {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        tensors[name] = t.detach().to("cpu").contiguous()
+    return tensors, aliases
+
+
+def load_into(model: nn.Module, state_dict: dict[str, torch.Tensor], aliases: dict | None = None) -> nn.Module:
+    """Strictly load ``state_dict`` into ``model``, in place.
+
+    Args:
+        model: the template.
+        state_dict: the checkpoint's tensors.
+        aliases: ``{name: kept name}`` of tensors stored once; a key may also be missing if it shares storage
+            with a loaded one in ``model`` (a tie the model makes itself).
+
+    Returns:
+        ``model``. Raises ``ValueError`` on unexpected, misshapen or missing tensors, before or instead of
+        leaving any tensor at its random initial value.
+    """
+    for dup, kept in (aliases or {}).items():
+        if kept in state_dict:
+            state_dict.setdefault(dup, state_dict[kept])
+    own = model.state_dict()
+    unexpected = sorted(set(state_dict) - set(own))
+    mismatched = [k for k in state_dict if k in own and tuple(own[k].shape) != tuple(state_dict[k].shape)]
+    if unexpected or mismatched:
+        what = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(own[k].shape)}" for k in mismatched[:5]]
+        raise ValueError(
+            f"the checkpoint does not fit this model: unexpected tensors {unexpected[:5]}, shape mismatches {what}. "
+            "Pass a template of the architecture the checkpoint was saved from."
+        )
+    model.load_state_dict(state_dict, strict=False)
+    loaded = {own[k].untyped_storage().data_ptr() for k in state_dict if own[k].numel()}
+    missing = [
+        k for k in own if k not in state_dict and not (own[k].numel() and own[k].untyped_storage().data_ptr() in loaded)
+    ]
+    if missing:
+        raise ValueError(
+            f"the checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[:5]}; they would keep their "
+            "current (random) values. Re-save the checkpoint or pass the matching template."
+        )
+    return model

@@ -1,0 +1,200 @@
+"""``AutoModel*.from_pretrained(dir)`` for bitmask checkpoints, through a transformers quantization method.
+
+A bitmask folder's ``config.json`` has ``quantization_config = {"quant_method": "hf-sms-sparse", ...}``.
+Once :func:`register` has run (``import hf_sms`` calls it), transformers builds the quantizer below, whose
+weight converter decodes each ``(W, W.sp_index)`` pair after transformers' own key renaming. The loaded
+model is an ordinary dense model: the quantizer is not kept and the quantization config is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from transformers.core_model_loading import (
+    ConversionOps,
+    WeightConverter,
+    WeightTransform,
+    _IdentityOp,
+    build_glob_alternation,
+)
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .codec import decode_tensor
+from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD
+from .prefetch import Prefetcher
+from .safetensors_io import SafetensorsFile
+
+
+class _Converter(WeightConverter):
+    """A WeightConverter that copies by re-construction: transformers deep-copies one per weight."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo):
+        new = object.__new__(type(self))
+        for slot in WeightTransform.__slots__ + WeightConverter.__slots__:
+            if hasattr(self, slot):
+                object.__setattr__(new, slot, getattr(self, slot))  # patterns and ops are never mutated
+        object.__setattr__(new, "collected_tensors", defaultdict(list))
+        object.__setattr__(new, "layer_targets", defaultdict(set))
+        return new
+
+
+class SparseDecode(ConversionOps):
+    """Turns each ``(W values, W.sp_index)`` pair into the dense ``W``; other tensors pass through."""
+
+    supports_many_to_many = True  # prepended to the model's own converters (e.g. fused experts)
+
+    def __init__(self, hf_quantizer: SparseCheckpointQuantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def __deepcopy__(self, memo):
+        return self  # stateless; transformers deep-copies each converter per weight
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, model=None, full_layer_name=None, **kw):
+        # Errors are recorded and raised as ValueError once loading ends: raised here, transformers
+        # would only log them and raise a generic RuntimeError.
+        try:
+            return self._convert(input_dict, model, full_layer_name)
+        except ValueError as e:
+            self.hf_quantizer.errors.append(str(e))
+            return {}
+
+    def _convert(self, input_dict, model, name):
+        dtype = self.hf_quantizer.target_dtype(model, name)
+        out = {}
+        for pattern, values in input_dict.items():
+            if pattern.endswith(INDEX_SUFFIX):
+                if pattern[: -len(INDEX_SUFFIX)] not in input_dict:
+                    raise ValueError(f"{name}: the checkpoint has its sparse index but not its values; re-save it")
+                continue
+            values = values if isinstance(values, list) else [values]
+            indexes = input_dict.get(pattern + INDEX_SUFFIX, [])
+            indexes = indexes if isinstance(indexes, list) else [indexes]
+            if indexes and len(indexes) != len(values):
+                raise ValueError(f"{name}: {len(values)} value tensors but {len(indexes)} sparse indexes")
+            if indexes:
+                values = [self.hf_quantizer.decode(v, i, name) for v, i in zip(values, indexes)]
+            out[pattern] = [v.to(dtype) if dtype is not None and v.is_floating_point() else v for v in values]
+        return out
+
+    @property
+    def reverse_op(self):
+        return _IdentityOp()
+
+
+class SparseCheckpointConfig(QuantizationConfigMixin):
+    """Marks a checkpoint saved by ``hf_sms.save_sparse(format="bitmask")``; loading restores dense weights."""
+
+    def __init__(self, format: str = "bitmask", version: int = FORMAT_VERSION, dequantize: bool = True, **kwargs):
+        self.quant_method = QUANT_METHOD
+        self.format = format
+        self.version = version
+        self.dequantize = True  # weights load dense: the model is an ordinary model afterwards
+
+
+class SparseCheckpointQuantizer(HfQuantizer):
+    """Decodes bitmask checkpoints on load, then checks that every tensor of the model arrived.
+
+    transformers re-initialises missing weights at random with only a printed report; for a sparse
+    checkpoint that would silently destroy the model, so a missing tensor raises here.
+    """
+
+    requires_calibration = False
+    # Source patterns are searched in the key, so "weight" also matches MultiheadAttention's in_proj_weight.
+    serialized_names = {"weight": ["weight", "weight" + INDEX_SUFFIX]}
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.errors: list[str] = []
+        self._prefetch: Prefetcher | None = None
+        self._plan = None
+        self._dtypes: dict[str, torch.dtype] | None = None
+
+    def update_parallel_plan(self, model, plan):
+        return  # ".sp_index" companions never become parameters: nothing to add to TP/EP plans
+
+    def validate_environment(self, *args, **kwargs):
+        if self.quantization_config.version > FORMAT_VERSION:
+            raise ValueError(
+                f"this checkpoint uses hf-sms sparse format version {self.quantization_config.version}; "
+                f"upgrade hf-sms (it reads up to {FORMAT_VERSION})"
+            )
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, dtype=None, **kwargs):
+        self.errors, self._dtypes = [], None
+        with torch.device("cpu"):  # called inside transformers' meta-device init context
+            # Truncated or malformed files raise a clear ValueError here, before loading; decoding
+            # (and the checksums) start on a thread pool while transformers prepares the rest.
+            files = [SafetensorsFile(p) for p in checkpoint_files or [] if p.endswith(".safetensors")]
+            self._prefetch = Prefetcher(files)
+        plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
+        self._plan = (build_glob_alternation(list(plan)), plan) if plan else None
+        return model
+
+    def decode(self, values: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+        if self._prefetch is not None:
+            return self._prefetch.take(values, index, name)
+        return decode_tensor(values, index, name)
+
+    def target_dtype(self, model, name: str | None) -> torch.dtype | None:
+        """The dtype transformers would cast this tensor to: the dtype plan's, else the model parameter's."""
+        if model is None or not name:
+            return None
+        if self._plan is not None:
+            (alternation, by_group, _), plan = self._plan
+            hit = alternation.search(name)
+            if hit is not None:
+                return plan[by_group[hit.lastgroup]]
+        if self._dtypes is None:
+            self._dtypes = {n: t.dtype for n, t in model.state_dict(keep_vars=True).items() if t is not None}
+        return self._dtypes.get(name)
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
+        if self.errors:
+            more = f" (and {len(self.errors) - 1} more errors)" if self.errors[1:] else ""
+            raise ValueError(self.errors[0] + more)
+        missing = [
+            k
+            for k, v in model.state_dict(keep_vars=True).items()
+            if v is not None and v.device.type != "meta" and not getattr(v, "_is_hf_initialized", False)
+        ]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} tensors of {type(model).__name__} were not in the sparse checkpoint (e.g. "
+                f"{missing[:5]}) and would be random. Load it with the class it was saved from, re-save "
+                "the checkpoint, or load into a template with hf_sms.load_sparse(dir, model=...)."
+            )
+        return model
+
+    def get_load_operations(self):
+        return {"deserialize": SparseDecode, "dequantize": SparseDecode}
+
+    def get_weight_conversions(self):
+        return [_Converter(names, param, [SparseDecode(self)]) for param, names in self.serialized_names.items()]
+
+    def is_serializable(self):
+        return False  # weights are dense after loading; save again with hf_sms.save_sparse
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+
+def register() -> None:
+    """Register the ``hf-sms-sparse`` quantization method with transformers; repeated calls do nothing."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(SparseCheckpointConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(SparseCheckpointQuantizer)

@@ -1,0 +1,71 @@
+"""Whether a soup can gain: how differently the replicas of a phase predict (docs/method.md §8-§9).
+
+A soup can only beat its candidates where they disagree in useful ways while staying in one basin. So
+per phase the loop records the replicas' prediction ensemble and, on validation, how often two replicas
+predict different classes and what the ensemble gains over the best replica; it warns when the replicas
+are near copies, and says what to vary.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("hf_sms")
+# Below this mean pairwise disagreement (% of validation examples) replicas are near copies.
+MIN_DISAGREEMENT = 0.5
+
+
+def disagreement(labels: dict) -> float:
+    """Mean over replica pairs of the % of examples on which two replicas' predicted labels differ."""
+    keys = sorted(labels)
+    rates = [100.0 * float((labels[i] != labels[j]).float().mean()) for i in keys for j in keys if i < j]
+    return sum(rates) / len(rates) if rates else 0.0
+
+
+def diversity(metric_fn, world, candidates: dict, val: list[float], eval_dataset, test_dataset) -> dict:
+    """The ensemble per split and, on validation, disagreement and ensemble minus the best candidate.
+
+    ``candidates`` are this process's replicas (``world`` gathers the rest), ``val`` the validation scores of
+    all m. Needs a metric with
+    ``predict`` (class probabilities, classes in the last dimension) and ``score``, as
+    :class:`hf_sms.evaluation.ClassificationAccuracy`; otherwise ``{}``.
+    """
+    if not (hasattr(metric_fn, "predict") and hasattr(metric_fn, "score")):
+        return {}
+    out = {}
+    for split, dataset in (("val", eval_dataset), ("test", test_dataset)):
+        if dataset is None:
+            continue
+        preds = {i: metric_fn.predict(c, dataset) for i, c in candidates.items()}
+        labels = world.gather({i: t.argmax(-1) for i, t in preds.items()})
+        shape = next(iter(world.gather({i: tuple(t.shape) for i, t in preds.items()}).values()))  # a rank may own none
+        out[f"ensemble_{split}"] = float(metric_fn.score(world.sum_tensors(preds, shape) / len(val), dataset))
+        if split == "val":
+            out["disagreement_val"] = disagreement(labels)
+            out["ensemble_minus_best_val"] = out["ensemble_val"] - max(val)
+    return out
+
+
+def log_diversity(diag: dict) -> None:
+    """One line per phase; a warning with what to vary when the replicas are near copies."""
+    l2 = diag["pairwise_l2"]
+    logger.info(
+        "[hf-sms] phase %d replicas: disagreement %s%% of val, ensemble - best %s, mean pairwise L2 %s",
+        diag["phase"],
+        _fmt(diag.get("disagreement_val")),
+        _fmt(diag.get("ensemble_minus_best_val")),
+        _fmt(sum(l2) / len(l2) if l2 else None),
+    )
+    if len(diag["candidates_val"]) > 1 and diag.get("disagreement_val", MIN_DISAGREEMENT) < MIN_DISAGREEMENT:
+        logger.warning(
+            "[hf-sms] phase %d: the replicas disagree on only %.2f%% of validation examples, so a soup cannot gain "
+            "over its candidates. Make them differ more: independent seeds with data augmentation, different "
+            "weight decays (replica_weight_decays) or learning rates (replica_learning_rates), or longer "
+            "retraining (num_train_epochs)",
+            diag["phase"],
+            diag["disagreement_val"],
+        )
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -1,0 +1,177 @@
+"""A run's output folder: its layout, what it was made from, and who may write to it.
+
+``run.json`` holds a fingerprint of everything a finished replica depends on: every config field that
+can change results (derived from the dataclass, so a new field is covered without a list to maintain),
+a hash of the pretrained weights, and a hash of each data split. A rerun into the same folder resumes
+only if all of it matches; anything else is refused before any work. An exclusive lock keeps a second
+process (another job, not another rank of this one) out while a run is in progress.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+from torch import nn
+
+from .checkpoint.constants import TMP_PREFIX
+from .data import peek
+from .results import save_results
+
+RUN_FILE, LOCK_FILE, RESULTS_FILE, FINAL_SOUP = "run.json", ".hf-sms.lock", "results.json", "final_soup"
+# Config fields that cannot change a replica's weights or the metrics: where and how a run reports.
+_NOT_RESULTS = (
+    "output_dir",
+    "logging_",
+    "log_",
+    "report_to",
+    "disable_tqdm",
+    "run_name",
+    "push_to_hub",
+    "hub_",
+    "save_",
+    "overwrite_output_dir",
+    "project",
+    "trackio_",
+    "local_rank",
+    "eval_",
+    "skip_memory_metrics",
+    "dataloader_pin_memory",
+    "dataloader_persistent_workers",
+    "dataloader_prefetch_factor",
+)
+
+
+def config_fingerprint(config) -> dict:
+    """The config fields that can change results, as JSON-able values."""
+    return {k: v for k, v in sorted(config.to_dict().items()) if not k.startswith(_NOT_RESULTS)}
+
+
+def _update(h, value) -> None:
+    if torch.is_tensor(value):
+        t = value.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, np.ndarray):
+        _update(h, torch.from_numpy(np.ascontiguousarray(value)))
+    elif isinstance(value, dict):
+        for k in sorted(value, key=str):
+            h.update(str(k).encode())
+            _update(h, value[k])
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _update(h, v)
+    else:
+        h.update(repr(value).encode())
+
+
+def model_hash(model: nn.Module) -> str:
+    """sha256 of the model's state dict (names, dtypes, shapes and bytes)."""
+    h = hashlib.sha256()
+    _update(h, model.state_dict())
+    return h.hexdigest()[:16]
+
+
+def data_hash(dataset, samples: int = 16) -> str | None:
+    """``datasets``' own fingerprint, else the length and ``samples`` items spread over the set.
+
+    Items are read under fixed seeds, so augmentation inside ``__getitem__`` gives the same hash each time.
+    """
+    if dataset is None:
+        return None
+    if hasattr(dataset, "_fingerprint"):
+        return f"datasets:{dataset._fingerprint}"
+    try:
+        n = len(dataset)
+    except TypeError:
+        return "iterable"  # not measurable without consuming it
+    h = hashlib.sha256(str(n).encode())
+    for i in sorted({round(k * (n - 1) / max(samples - 1, 1)) for k in range(samples)} if n else ()):
+        _update(h, peek(dataset, i))
+    return h.hexdigest()[:16]
+
+
+class RunDirectory:
+    """Owns ``root``: the layout of a run, its fingerprint check and its lock.
+
+    Args:
+        root: the run's output directory.
+        fingerprint: what the run's results depend on (see :func:`config_fingerprint`, :func:`model_hash`,
+            :func:`data_hash`).
+        is_main: this process writes run-level files and holds the lock (rank 0 of a launch).
+    """
+
+    def __init__(self, root: str, fingerprint: dict, is_main: bool = True):
+        self.root, self.is_main, self._lock = root, is_main, None
+        self.fingerprint = json.loads(json.dumps(fingerprint))  # as run.json will read back (tuples -> lists)
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def open(self) -> None:
+        """Take the lock, then check that ``root`` is empty or holds this very run; write ``run.json``."""
+        if not self.is_main:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.path(LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(
+                f"another hf-sms process is running in {self.root}; wait for it to finish or use another --output_dir"
+            ) from None
+        self._lock = fd
+        try:
+            self._check_or_write()
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor releases the lock (also when the process dies)
+            self._lock = None
+
+    def _check_or_write(self) -> None:
+        run_file = self.path(RUN_FILE)
+        if os.path.isfile(run_file):
+            try:
+                with open(run_file) as f:
+                    old = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{run_file} is corrupt ({e}); delete it or choose another --output_dir") from e
+            if old != self.fingerprint:
+                changed = _changed(old, self.fingerprint)
+                raise ValueError(
+                    f"{self.root} holds a run made from something else (changed: {changed}); use a fresh "
+                    "--output_dir, or delete the old run to start over"
+                )
+            self._remove_stale_temporaries()
+            return
+        if any(e.name != LOCK_FILE for e in os.scandir(self.root)):
+            raise ValueError(f"{self.root} is not empty and holds no hf-sms {RUN_FILE}; use a fresh --output_dir")
+        save_results(self.fingerprint, run_file)
+
+    def _remove_stale_temporaries(self) -> None:
+        """Folders a killed run was writing (never installed, so never taken as finished); safe under the lock."""
+        for parent, dirs, _ in os.walk(self.root):
+            for name in [d for d in dirs if d.startswith(TMP_PREFIX)]:
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+                dirs.remove(name)
+
+
+def _changed(old: dict, new: dict) -> list[str]:
+    out = []
+    for section in sorted(set(old) | set(new)):
+        a, b = old.get(section), new.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{section}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            out.append(section)
+    return out

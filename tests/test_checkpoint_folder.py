@@ -1,0 +1,108 @@
+"""Checkpoint folders: atomic writes in every mode, one sparsity.json schema, and the model-family registry."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import TinyCNN, make_cnn, make_resnet, make_t5
+
+from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
+from hf_sms.checkpoint import FAMILIES, FORMAT_VERSION, Family, merge_checkpoints, register_family
+from hf_sms.checkpoint.families import family_of_config, family_of_model
+from hf_sms.checkpoint.folder import atomic_folder, check_target
+
+
+def _files(root) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in root.iterdir()}
+
+
+def _write(folder: str, **files: str) -> None:
+    for name, text in files.items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+
+
+def test_atomic_folder_installs_only_when_complete(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError), atomic_folder(str(target)) as tmp:
+        _write(tmp, **{"model.safetensors": "half"})
+        raise RuntimeError("failed half way")
+    assert not target.exists() and list(tmp_path.iterdir()) == []  # no half-written folder, no temporary one
+    with atomic_folder(str(target)) as tmp:
+        _write(tmp, **{"model.safetensors": "w"})
+    assert _files(target) == {"model.safetensors": b"w"} and list(tmp_path.iterdir()) == [target]
+
+
+def test_atomic_folder_modes(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    _write(str(target), **{"model.safetensors": "old", "pytorch_model.bin": "old", "notes.txt": "mine"})
+    with pytest.raises(ValueError, match="not empty"):
+        with atomic_folder(str(target), "new"):
+            raise AssertionError("never reached: refused before writing")
+    with atomic_folder(str(target), "update") as tmp:  # save_sparse: weights replaced, other files kept
+        _write(tmp, **{"model.safetensors": "new", "sparsity.json": "{}"})
+    assert _files(target) == {"model.safetensors": b"new", "sparsity.json": b"{}", "notes.txt": b"mine"}
+    with atomic_folder(str(target), "replace") as tmp:  # merge --overwrite: swapped out whole
+        _write(tmp, **{"model.safetensors": "soup"})
+    assert _files(target) == {"model.safetensors": b"soup"} and list(tmp_path.iterdir()) == [target]
+    (tmp_path / "file").write_text("x")
+    for mode in ("new", "update", "replace"):
+        with pytest.raises(ValueError, match="existing file"):
+            check_target(str(tmp_path / "file"), mode)
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_save_and_merge_write_one_sparsity_json_schema(tmp_path):
+    base = make_resnet()
+    apply_masks(base, compute_masks(base, 0.8, "uniform"))
+    dirs = [save_sparse(base, str(tmp_path / f"r{i}"), recipe={"m": 2}) for i in range(2)]
+    merge_checkpoints(dirs, str(tmp_path / "soup"))
+    saved, merged = (json.loads((tmp_path / d / "sparsity.json").read_text()) for d in ("r0", "soup"))
+    assert list(saved) == list(merged)
+    assert saved["hf_sms_format_version"] == merged["hf_sms_format_version"] == FORMAT_VERSION
+    assert merged["per_tensor"] == saved["per_tensor"] and merged["mask_hash"] == saved["mask_hash"]
+
+
+@pytest.mark.parametrize(
+    ("make", "library"),
+    [(make_t5, "transformers"), (make_resnet, "timm"), (make_cnn, "torch")],
+    ids=["transformers", "timm", "torch"],
+)
+def test_families_detect_models_and_their_folders(tmp_path, make, library):
+    model = make()
+    assert family_of_model(model).library == library
+    save_sparse(model, str(tmp_path), "dense")
+    config = json.loads((tmp_path / "config.json").read_text()) if library != "torch" else None
+    found = family_of_config(config)
+    assert (found[0].library if found else "torch") == library
+
+
+def test_a_new_family_is_one_registered_entry(tmp_path):
+    class TinyCNNFamily(Family):
+        library = "tiny-cnn"
+
+        def detects(self, model):
+            return isinstance(model, TinyCNN)
+
+        def save(self, model, folder):
+            return FAMILIES["torch"].save(model, folder)
+
+        def instantiate(self, ckpt, **kwargs):
+            return make_cnn(seed=1)
+
+    family = register_family(TinyCNNFamily())
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_family(TinyCNNFamily())
+        model = make_cnn()
+        save_sparse(model, str(tmp_path))
+        assert json.loads((tmp_path / "sparsity.json").read_text())["library"] == "tiny-cnn"
+        loaded = load_sparse(str(tmp_path))  # built by the family: no template needed
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+        assert "hf_sms.load_sparse" in family.load_snippet("TinyCNN", "bitmask", "me/tiny")
+    finally:
+        del FAMILIES["tiny-cnn"]

@@ -1,0 +1,198 @@
+"""Bad inputs fail before any training with a message that says how to fix them, and a run folder can only
+ever hold one run (issue: redesign along the seams)."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from hf_sms import SparseModelSoup, SparseSoupConfig, SparseSoupTrainer, run_sms
+from hf_sms.data import TensorDictDataset, load_digits_splits
+from hf_sms.demo import DigitsResNet
+from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.merge import MERGE_METHODS, indicator_weights, register_merge
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        target_sparsity=0.5,
+        n_phases=1,
+        num_replicas=2,
+        max_steps=2,
+        per_device_train_batch_size=32,
+        learning_rate=0.05,
+        optim="sgd",
+        use_cpu=True,
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+    )
+    return SparseSoupConfig(**{**base, **kw})
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return DigitsResNet(width=4)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    train, val, test = load_digits_splits(seed=0)
+    return TensorDictDataset(train.x[:96], train.labels[:96]), val, test
+
+
+@pytest.fixture
+def no_training():
+    with mock.patch.object(SparseSoupTrainer, "train", side_effect=AssertionError("training started")) as train:
+        yield train
+
+
+# -- the run directory ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("change", "changed"),
+    [
+        ({"model": 1}, "model"),
+        ({"data": 1}, "data.train"),
+        ({"validation_fraction": 0.2}, "config.validation_fraction"),
+        ({"adam_beta2": 0.99}, "config.adam_beta2"),
+        ({"label_smoothing_factor": 0.1}, "config.label_smoothing_factor"),
+    ],
+)
+def test_a_rerun_made_from_anything_else_is_refused(tmp_path, digits, change, changed, no_training):
+    train, val, _ = digits
+    first = SparseModelSoup(_net(), _args(tmp_path), train, ClassificationAccuracy(), eval_dataset=val)
+    first.run_dir.open()
+    first.run_dir.close()
+    model = _net(seed=change.get("model", 0))
+    data = TensorDictDataset(train.x.flip(0), train.labels.flip(0)) if "data" in change else train
+    config = {k: v for k, v in change.items() if k not in ("model", "data")}
+    runner = SparseModelSoup(model, _args(tmp_path, **config), data, ClassificationAccuracy(), eval_dataset=val)
+    with pytest.raises(ValueError, match=rf"made from something else \(changed: \[.*'{changed}'"):
+        runner.run()
+
+
+def test_fields_that_cannot_change_results_do_not_block_a_resume(tmp_path, digits):
+    train, val, _ = digits
+    a = SparseModelSoup(_net(), _args(tmp_path), train, ClassificationAccuracy(), eval_dataset=val).run_dir
+    b = SparseModelSoup(
+        _net(), _args(tmp_path, logging_steps=7, disable_tqdm=False), train, ClassificationAccuracy(), eval_dataset=val
+    ).run_dir
+    assert a.fingerprint == b.fingerprint
+
+
+def test_a_second_process_on_the_same_folder_is_refused_at_once(tmp_path, digits):
+    train, val, _ = digits
+    first = SparseModelSoup(_net(), _args(tmp_path), train, ClassificationAccuracy(), eval_dataset=val)
+    second = SparseModelSoup(_net(), _args(tmp_path), train, ClassificationAccuracy(), eval_dataset=val)
+    first.run_dir.open()
+    try:
+        with pytest.raises(RuntimeError, match="another hf-sms process is running in .*wait for it"):
+            second.run()
+    finally:
+        first.run_dir.close()
+    second.run_dir.open()  # released: the next run may go on
+    second.run_dir.close()
+
+
+# -- errors before work --------------------------------------------------------------------------------
+def test_empty_or_missing_inputs_fail_before_training(tmp_path, digits, no_training):
+    train, val, _ = digits
+    accuracy = ClassificationAccuracy()
+    with pytest.raises(ValueError, match="the validation set is empty"):
+        SparseModelSoup(_net(), _args(tmp_path, merge_methods=["greedy"]), train, accuracy, eval_dataset=[])
+    with pytest.raises(ValueError, match="metric_fn must be a callable"):
+        SparseModelSoup(_net(), _args(tmp_path), train, None, eval_dataset=val)
+    with pytest.raises(ValueError, match="the training set is empty.*lower validation_fraction"):
+        SparseModelSoup(_net(), _args(tmp_path), TensorDictDataset(train.x[:1], train.labels[:1]), accuracy)
+    unlabelled = [{"x": x} for x in train.x[:8]]
+    with pytest.raises(ValueError, match=r"no \['labels'\].*rename_column"):
+        SparseModelSoup(_net(), _args(tmp_path), unlabelled, accuracy, eval_dataset=val)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"baselines": ["imp_reprune"], "num_replicas": 1}, "needs num_replicas >= 2"),
+        ({"pretrain_epochs": -3}, "pretrain_epochs .* must be > 0"),
+        ({"num_replicas": "2"}, "num_replicas must be an integer"),
+        ({"merge_methods": []}, "must name each soup method once"),
+    ],
+)
+def test_bad_config_fails_at_construction(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        _args(tmp_path, **fields)
+
+
+def test_all_false_masks_are_refused():
+    model = _net()
+    masks = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters() if p.dim() > 1}
+    with pytest.raises(ValueError, match="prune every weight"):
+        SparseSoupTrainer(model, SparseSoupConfig(output_dir="unused", use_cpu=True), masks=masks)
+
+
+def test_the_token_never_shows_in_the_config_repr():
+    args = SparseSoupConfig(output_dir="x", hub_token="hf_very_secret")
+    assert "hf_very_secret" not in repr(args) and "hf_very_secret" not in str(args)
+
+
+def test_push_to_hub_is_checked_before_training_and_then_really_pushes(tmp_path, digits, monkeypatch):
+    train, val, _ = digits
+    accuracy = ClassificationAccuracy()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with mock.patch.object(SparseSoupTrainer, "train", side_effect=AssertionError("training started")):
+        with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
+            SparseModelSoup(_net(), _args(tmp_path, push_to_hub=True), train, accuracy, eval_dataset=val)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with mock.patch("huggingface_hub.HfApi.whoami", side_effect=OSError("no network")):
+        with pytest.raises(ValueError, match="does not accept these credentials.*hf auth login"):
+            SparseModelSoup(_net(), _args(tmp_path, push_to_hub=True), train, accuracy, eval_dataset=val)
+    args = _args(tmp_path, push_to_hub=True, hub_model_id="me/soup", hub_token="hf_secret")
+    with (
+        mock.patch("huggingface_hub.HfApi.whoami", return_value={"name": "me"}),
+        mock.patch("huggingface_hub.HfApi.create_repo", return_value=mock.Mock(repo_id="me/soup")) as create,
+        mock.patch("huggingface_hub.HfApi.upload_folder", return_value=mock.Mock(commit_url="u")) as upload,
+    ):
+        run_sms(_net(), args, train, accuracy, eval_dataset=val, model_card={"datasets": ["digits"]})
+    assert create.call_args.args[0] == "me/soup"
+    assert upload.call_args.kwargs["folder_path"].endswith("final_soup")
+
+
+# -- merge methods are policies the loop dispatches ------------------------------------------------------
+def test_a_registered_merge_method_runs_end_to_end(tmp_path, digits):
+    train, val, test = digits
+
+    @register_merge("best_only")
+    def best_only(scores, trial, config):
+        return indicator_weights([max(range(len(scores)), key=scores.__getitem__)], len(scores))
+
+    try:
+        args = _args(tmp_path, merge_methods=["best_only"], num_replicas=3)
+        soup, results = run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
+        row, diag = results["rows"]["sms_best_only"][0], results["sms"][0]
+        assert len(row["kept"]) == 1
+        assert row["val"] == pytest.approx(max(diag["candidates_val"]))
+    finally:
+        del MERGE_METHODS["best_only"]
+
+
+# -- replicas are real checkpoints ------------------------------------------------------------------------
+def test_the_readme_merge_command_works_on_the_folders_a_run_writes(tmp_path, digits, monkeypatch, capsys):
+    from pathlib import Path
+
+    from hf_sms import load_sparse
+    from hf_sms.cli import main
+    from hf_sms.merge import average_state_dicts
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    command = "hf-sms merge run/sms/phase3/replica0 run/sms/phase3/replica1 --method uniform --output soup"
+    assert command in readme
+    train, val, _ = digits
+    monkeypatch.chdir(tmp_path)
+    run_sms(_net(), _args(tmp_path, n_phases=3), train, ClassificationAccuracy(), eval_dataset=val)
+    assert main(command.split()[1:]) == 0
+    assert main(["inspect", "soup"]) == 0 and "sparsity" in capsys.readouterr().out
+    replicas = [load_sparse(f"run/sms/phase3/replica{i}", _net()) for i in range(2)]
+    expected = average_state_dicts([r.state_dict() for r in replicas])
+    soup = load_sparse("soup", _net())
+    assert all(torch.equal(soup.state_dict()[k], v) for k, v in expected.items())
