@@ -39,6 +39,7 @@ p.add_argument("--replicas", type=int, nargs="+", default=[3, 5])
 p.add_argument("--merge-methods", nargs="+", default=["uniform", "greedy"])
 p.add_argument("--baselines", nargs="+", default=["imp", "imp_mx", "imp_reprune"])
 p.add_argument("--seeding", choices=["independent", "offset"], default="independent")
+p.add_argument("--no-augment", action="store_true", help="No random shifts: the data order is the only randomness.")
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--pretrain-epochs", type=float, default=30)
 p.add_argument("--retrain-epochs", type=float, default=8)
@@ -61,7 +62,7 @@ runs: dict[tuple[float, int], list[dict]] = {}
 t0 = time.time()
 for seed in cli.seeds:
     torch.manual_seed(seed)
-    train, val, test = load_digits_splits(seed=seed)
+    train, val, test = load_digits_splits(seed=seed, augment=not cli.no_augment)
     pre_dir = os.path.join(cli.output_dir, f"pretrain-{seed}")
     dense = pretrain(DigitsResNet(cli.width), train, pre_dir, cli.pretrain_epochs, cli.lr, seed)
     print(f"seed {seed}: dense test accuracy {accuracy(dense, test):.2f}%", flush=True)
@@ -131,7 +132,8 @@ lines = [
     "",
     f"ResNet-style CNN (width {cli.width}) pretrained {cli.pretrain_epochs:g} epochs on scikit-learn's digits; 3 "
     f"phases, ALLR, {cli.retrain_epochs:g} retraining epochs per phase and replica (IMP_mx: the sum over the m "
-    f"replicas), global magnitude pruning, BatchNorm recalibrated after every merge; seeds {cli.seeds}. Test "
+    f"replicas), global magnitude pruning, BatchNorm recalibrated after every merge; seeds {cli.seeds}; "
+    f"{'no augmentation' if cli.no_augment else 'random-shift augmentation'}. Test "
     "accuracy (%), mean ± std over seeds; differences are test points, paired by seed.",
     "",
 ]
