@@ -5,8 +5,9 @@
     python recipes/pspnet_segmentation.py --output_dir out --dataset_path ./my_segmentation --num_classes 19
 
 Needs the `seg` extra (``pip install hf-sms[seg]``). Mask pixels equal to ``--ignore_label`` are ignored.
-Soups are selected on ``validation_fraction`` of the train split (fixed seed), not flipped; ``--test_split`` is
-only reported.
+Soups are selected on ``validation_fraction`` of the train split (fixed seed), not flipped; ``--test_split``
+(the validation split by default, as Cityscapes' test labels are hidden) is only reported. The data fields
+(``hf_sms.scripts.DataArguments``) are shared by all recipes; ``DATA_DEFAULTS`` fills those left unset.
 """
 
 from dataclasses import dataclass, field
@@ -17,44 +18,39 @@ import torch.nn.functional as F
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import MeanIoU
-from hf_sms.scripts import finish, load_splits, parse_args, prepared_splits, stack_collate
+from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, stack_collate
 
-
-@dataclass
-class ScriptArguments:
-    encoder_name: str = field(default="resnet50", metadata={"help": "smp encoder of the PSPNet."})
-    encoder_weights: str | None = field(default="imagenet", metadata={"help": "Pretrained encoder weights."})
-    model_path: str | None = field(default=None, metadata={"help": "A dense PSPNet saved with save_pretrained."})
-    num_classes: int = 19
-    dataset_name: str | None = None
-    dataset_config: str | None = None
-    dataset_path: str | None = field(default=None, metadata={"help": "A DatasetDict saved with save_to_disk."})
-    image_column: str = "image"
-    mask_column: str = "mask"
-    test_split: str = field(default="validation", metadata={"help": "Reported only (Cityscapes' val set)."})
-    crop_size: int = 512
-    ignore_label: int = 255
-
-
+DATA_DEFAULTS = dict(test_split="validation")
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 
 
-def main(script_args: ScriptArguments, args: SparseSoupConfig):
+@dataclass
+class ModelArguments:
+    encoder_name: str = field(default="resnet50", metadata={"help": "smp encoder of the PSPNet."})
+    encoder_weights: str | None = field(default="imagenet", metadata={"help": "Pretrained encoder weights."})
+    model_path: str | None = field(default=None, metadata={"help": "A dense PSPNet saved with save_pretrained."})
+    num_classes: int = field(default=19, metadata={"help": "Number of classes (Cityscapes: 19)."})
+    crop_size: int = field(default=512, metadata={"help": "Images and masks are resized to this square."})
+    ignore_label: int = field(default=255, metadata={"help": "Mask value that the loss and mean IoU ignore."})
+
+
+def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
     import segmentation_models_pytorch as smp
 
-    raw = load_splits(script_args.dataset_name, script_args.dataset_config, script_args.dataset_path)
-    if script_args.model_path:
-        model = smp.from_pretrained(script_args.model_path)
+    data_args = data_args.with_defaults(**DATA_DEFAULTS)
+    raw = load_splits(data_args)
+    if model_args.model_path:
+        model = smp.from_pretrained(model_args.model_path)
     else:
         model = smp.PSPNet(
-            script_args.encoder_name, encoder_weights=script_args.encoder_weights, classes=script_args.num_classes
+            model_args.encoder_name, encoder_weights=model_args.encoder_weights, classes=model_args.num_classes
         )
-    size = (script_args.crop_size, script_args.crop_size)
+    size = (model_args.crop_size, model_args.crop_size)
 
     def transform(training):
         def apply(batch):
             xs, ys = [], []
-            for img, mask in zip(batch[script_args.image_column], batch[script_args.mask_column]):
+            for img, mask in zip(batch[data_args.image_column], batch[data_args.mask_column]):
                 x = torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
                 y = torch.from_numpy(np.asarray(mask, dtype=np.int64))
                 x = F.interpolate(x[None], size, mode="bilinear", align_corners=False)[0]
@@ -62,17 +58,17 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
                 if training and torch.rand(()) < 0.5:
                     x, y = x.flip(-1), y.flip(-1)
                 xs.append((x - MEAN) / STD)
-                ys.append(y.masked_fill(y == script_args.ignore_label, -100))
+                ys.append(y.masked_fill(y == model_args.ignore_label, -100))
             return {"x": xs, "labels": ys}
 
         return apply
 
     train, val, test = prepared_splits(
-        raw, lambda data, training: data.with_transform(transform(training)), args, script_args.test_split
+        raw, lambda data, training: data.with_transform(transform(training)), args, data_args
     )
     args.remove_unused_columns = False  # the transform makes the columns forward() takes
-    miou = MeanIoU(script_args.num_classes, batch_size=args.per_device_eval_batch_size, collate_fn=stack_collate)
-    card = {"datasets": [script_args.dataset_name or script_args.dataset_path]}
+    miou = MeanIoU(model_args.num_classes, batch_size=args.per_device_eval_batch_size, collate_fn=stack_collate)
+    card = {"datasets": data_args.hub_datasets}
     runner = SparseModelSoup(
         model, args, train, miou, eval_dataset=val, test_dataset=test, data_collator=stack_collate, model_card=card
     )
@@ -82,4 +78,4 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
 
 
 if __name__ == "__main__":
-    main(*parse_args(ScriptArguments, SparseSoupConfig))
+    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig))

@@ -9,6 +9,7 @@ python recipes/t5_wmt16.py --output_dir out --train_file train.jsonl --validatio
 
 Soups are selected on the dataset's own validation split (WMT16's newstest dev set, `--validation_file`
 locally) and BLEU is reported on its test split. Without one, `validation_fraction` of train is split off.
+The data fields (`hf_sms.scripts.DataArguments`) are shared by all recipes; `DATA_DEFAULTS` fills those left unset.
 """
 
 from dataclasses import dataclass, field
@@ -17,74 +18,44 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSe
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import BleuMetric
-from hf_sms.scripts import finish, parse_args, prepared_splits
+from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits
+
+DATA_DEFAULTS = dict(dataset_name="wmt16", dataset_config="ro-en", validation_split="validation", test_split="test")
 
 
 @dataclass
-class ScriptArguments:
+class ModelArguments:
     model_name_or_path: str = field(default="google-t5/t5-small", metadata={"help": "Dense model to prune."})
-    dataset_name: str = field(default="wmt16", metadata={"help": "Hub dataset with a `translation` column."})
-    dataset_config: str = field(default="ro-en")
-    train_file: str | None = field(default=None, metadata={"help": "Local JSON lines instead of the Hub."})
-    validation_file: str | None = field(default=None, metadata={"help": "Local JSON lines for validation."})
-    test_file: str | None = field(default=None, metadata={"help": "Local JSON lines for the test split."})
-    validation_split: str = field(
-        default="validation", metadata={"help": "Split used for soup selection; if missing, part of train is."}
-    )
-    source_lang: str = "en"
-    target_lang: str = "ro"
-    source_prefix: str = "translate English to Romanian: "
+    source_lang: str = field(default="en", metadata={"help": "Key of the source text in `translation`."})
+    target_lang: str = field(default="ro", metadata={"help": "Key of the target text in `translation`."})
+    source_prefix: str = field(default="translate English to Romanian: ", metadata={"help": "T5's task prefix."})
     max_source_length: int = 128
     max_target_length: int = 128
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
-    max_test_samples: int | None = None
-    num_beams: int = 1
+    num_beams: int = field(default=1, metadata={"help": "Beam width when generating for BLEU."})
 
 
-def load_translation(script_args: ScriptArguments):
-    import datasets
-
-    if script_args.train_file:
-        files = {"train": script_args.train_file}
-        if script_args.validation_file:
-            files[script_args.validation_split] = script_args.validation_file
-        if script_args.test_file:
-            files["test"] = script_args.test_file
-        return datasets.load_dataset("json", data_files=files)
-    return datasets.load_dataset(script_args.dataset_name, script_args.dataset_config)
-
-
-def main(script_args: ScriptArguments, args: SparseSoupConfig):
-    tokenizer = AutoTokenizer.from_pretrained(script_args.model_name_or_path)
-    model = AutoModelForSeq2SeqLM.from_pretrained(script_args.model_name_or_path)
-    raw = load_translation(script_args)
+def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
+    data_args = data_args.with_defaults(**DATA_DEFAULTS)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path)
+    raw = load_splits(data_args)
 
     def tokenize(batch):
         pairs = batch["translation"]
-        sources = [script_args.source_prefix + p[script_args.source_lang] for p in pairs]
-        enc = tokenizer(sources, max_length=script_args.max_source_length, truncation=True)
-        targets = [p[script_args.target_lang] for p in pairs]
-        enc["labels"] = tokenizer(text_target=targets, max_length=script_args.max_target_length, truncation=True)[
+        sources = [model_args.source_prefix + p[model_args.source_lang] for p in pairs]
+        enc = tokenizer(sources, max_length=model_args.max_source_length, truncation=True)
+        targets = [p[model_args.target_lang] for p in pairs]
+        enc["labels"] = tokenizer(text_target=targets, max_length=model_args.max_target_length, truncation=True)[
             "input_ids"
         ]
         return enc
 
-    limits = {
-        "train": script_args.max_train_samples,
-        script_args.validation_split: script_args.max_eval_samples,
-        "test": script_args.max_test_samples,
-    }
-    for split, limit in limits.items():
-        if split in raw and limit is not None:
-            raw[split] = raw[split].select(range(min(limit, len(raw[split]))))
-
     def prepare(data, training):  # no augmentation: both sides are tokenized alike
         return data.map(tokenize, batched=True, remove_columns=data.column_names)
 
-    train, val, test = prepared_splits(raw, prepare, args, "test", script_args.validation_split)
+    train, val, test = prepared_splits(raw, prepare, args, data_args)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model)
-    bleu = BleuMetric(tokenizer, script_args.max_target_length, script_args.num_beams, collate_fn=collator)
+    bleu = BleuMetric(tokenizer, model_args.max_target_length, model_args.num_beams, collate_fn=collator)
     runner = SparseModelSoup(
         model,
         args,
@@ -94,7 +65,7 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
         test_dataset=test,
         data_collator=collator,
         processing_class=tokenizer,
-        model_card={"base_model": script_args.model_name_or_path, "datasets": [script_args.dataset_name]},
+        model_card={"base_model": model_args.model_name_or_path, "datasets": data_args.hub_datasets},
     )
     runner.run()
     finish(runner)
@@ -102,4 +73,4 @@ def main(script_args: ScriptArguments, args: SparseSoupConfig):
 
 
 if __name__ == "__main__":
-    main(*parse_args(ScriptArguments, SparseSoupConfig))
+    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig))

@@ -1,5 +1,6 @@
 """The recipes end to end on tiny models and local files (no Hub): T5, timm ResNet/MaxViT, smp PSPNet."""
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 from PIL import Image
 
 from hf_sms import SparseSoupConfig
-from hf_sms.scripts import parse_args
+from hf_sms.scripts import DataArguments, parse_args, prepared_splits
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -53,27 +54,62 @@ def test_parse_args_reads_yaml_and_flags_override(tmp_path):
     t5 = _recipe("t5_wmt16")
     config = tmp_path / "c.yaml"
     config.write_text("output_dir: x\nnum_replicas: 5\ntarget_lang: ro\n")
-    script, args = parse_args(
-        t5.ScriptArguments, SparseSoupConfig, argv=["--config", str(config), "--num_replicas", "2"]
+    model, data, args = parse_args(
+        t5.ModelArguments, DataArguments, SparseSoupConfig, argv=["--config", str(config), "--num_replicas", "2"]
     )
-    assert (script.target_lang, args.num_replicas, args.output_dir) == ("ro", 2, "x")
+    assert (model.target_lang, args.num_replicas, args.output_dir) == ("ro", 2, "x")
     config.write_text("output_dir: x\nnum_replica: 5\n")
     with pytest.raises(ValueError, match=r"unknown keys \['num_replica'\]"):
-        parse_args(t5.ScriptArguments, SparseSoupConfig, argv=["--config", str(config)])
+        parse_args(t5.ModelArguments, DataArguments, SparseSoupConfig, argv=["--config", str(config)])
 
 
 def test_shipped_configs_parse():
-    shipped = {
-        "t5_wmt16": "t5_wmt16",
-        "resnet50_imagenet": "image_classification",
-        "maxvit_imagenet": "image_classification",
-        "pspnet_cityscapes": "pspnet_segmentation",
+    shipped = {  # config: (recipe, the split reported as test)
+        "t5_wmt16": ("t5_wmt16", "test"),
+        "resnet50_imagenet": ("image_classification", "validation"),
+        "maxvit_imagenet": ("image_classification", "validation"),
+        "pspnet_cityscapes": ("pspnet_segmentation", "validation"),
     }
-    for name, recipe in shipped.items():
+    for name, (recipe, test_split) in shipped.items():
         module = _recipe(recipe)
         argv = ["--config", str(RECIPES / "configs" / f"{name}.yaml"), "--bf16", "false"]
-        script, args = parse_args(module.ScriptArguments, SparseSoupConfig, argv=argv)
+        model, data, args = parse_args(module.ModelArguments, DataArguments, SparseSoupConfig, argv=argv)
         assert args.retrain_schedule == "allr" and args.pretrain_epochs > 0
+        assert data.test_split == test_split == data.with_defaults(**module.DATA_DEFAULTS).test_split
+
+
+def test_recipes_share_one_data_arguments():
+    data_fields = {f.name for f in dataclasses.fields(DataArguments)}
+    for name in ("t5_wmt16", "image_classification", "pspnet_segmentation"):
+        module = _recipe(name)
+        assert module.DataArguments is DataArguments
+        assert not data_fields & {f.name for f in dataclasses.fields(module.ModelArguments)}, name
+        assert set(module.DATA_DEFAULTS) <= data_fields, name
+        # every field of the three dataclasses is a flag, with no name taken twice
+        model, data, _ = parse_args(module.ModelArguments, DataArguments, SparseSoupConfig, argv=["--output_dir", "o"])
+        assert isinstance(data, DataArguments) and data.test_split is None
+
+
+def test_data_arguments_defaults_and_limits():
+    import datasets
+
+    t5 = _recipe("t5_wmt16")
+    resolved = DataArguments(test_split="newstest").with_defaults(**t5.DATA_DEFAULTS)
+    assert (resolved.dataset_name, resolved.validation_split, resolved.test_split) == (
+        "wmt16",
+        "validation",
+        "newstest",
+    )
+    assert resolved.hub_datasets == ["wmt16"]
+    local = DataArguments(train_file="train.jsonl", validation_file="dev.jsonl").with_defaults(**t5.DATA_DEFAULTS)
+    assert (local.dataset_name, local.validation_split, local.hub_datasets) == (None, "validation", [])
+
+    raw = datasets.DatasetDict({s: datasets.Dataset.from_dict({"a": list(range(20))}) for s in ("train", "test")})
+    data = DataArguments(test_split="test", max_train_samples=5, max_eval_samples=1, max_test_samples=3)
+    train, val, test = prepared_splits(raw, lambda data, training: data, SparseSoupConfig("o"), data)
+    assert (len(train), len(val), len(test)) == (5, 1, 3)
+    train, val, test = prepared_splits(raw, lambda data, training: data, SparseSoupConfig("o"), DataArguments())
+    assert (len(train), len(val), test) == (18, 2, None)  # validation_fraction 0.1 of train; no test split named
 
 
 @pytest.mark.parametrize("validation_file", [False, True], ids=["split-off", "own-file"])
@@ -99,17 +135,19 @@ def test_t5_recipe_on_local_json(tmp_path, validation_file):
         lines = [json.dumps({"translation": {"en": f"{split} {i}", "de": f"Haus {i}"}}) for i in range(n)]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(lines))
     t5 = _recipe("t5_wmt16")
-    script = t5.ScriptArguments(
+    model = t5.ModelArguments(
         model_name_or_path=str(tmp_path / "model"),
-        train_file=str(tmp_path / "train.jsonl"),
-        validation_file=str(tmp_path / "dev.jsonl") if validation_file else None,
-        test_file=str(tmp_path / "test.jsonl"),
         target_lang="de",
         source_prefix="",  # keeps each short source whole, so the test can tell which file it came from
         max_source_length=16,
         max_target_length=8,
     )
-    runner = t5.main(script, _args(tmp_path))
+    data = DataArguments(
+        train_file=str(tmp_path / "train.jsonl"),
+        validation_file=str(tmp_path / "dev.jsonl") if validation_file else None,
+        test_file=str(tmp_path / "test.jsonl"),
+    )
+    runner = t5.main(model, data, _args(tmp_path))
     _check_run(tmp_path)
     assert (tmp_path / "run" / "final_soup" / "tokenizer_config.json").is_file()
     val_sources = {tok.decode(item["input_ids"], skip_special_tokens=True) for item in runner.eval_dataset}
@@ -126,12 +164,11 @@ def test_t5_recipe_on_local_json(tmp_path, validation_file):
 def test_prepared_splits_refuses_test_as_validation():
     import datasets
 
-    from hf_sms.scripts import prepared_splits
-
     raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"a": list(range(10))})})
     raw["validation"] = raw["train"]
+    data = DataArguments(validation_split="validation", test_split="validation")
     with pytest.raises(ValueError, match="cannot also be the validation set"):
-        prepared_splits(raw, lambda data, training: data, SparseSoupConfig("o"), "validation", "validation")
+        prepared_splits(raw, lambda data, training: data, SparseSoupConfig("o"), data)
 
 
 def _imagefolder(root: Path, n: int = 8, size: int = 24):
@@ -164,18 +201,12 @@ def test_image_classification_recipe_on_an_imagefolder(tmp_path, model_name, mod
 
     _imagefolder(tmp_path / "images")
     recipe = _recipe("image_classification")
-    script = recipe.ScriptArguments(
-        model_name=model_name,
-        pretrained=False,
-        model_kwargs=model_kwargs,
-        image_size=32,
-        dataset_name="imagefolder",
-        data_dir=str(tmp_path / "images"),
-        test_split="test",
-        label_smoothing=0.1,
+    model = recipe.ModelArguments(
+        model_name=model_name, pretrained=False, model_kwargs=model_kwargs, image_size=32, label_smoothing=0.1
     )
+    data = DataArguments(dataset_name="imagefolder", data_dir=str(tmp_path / "images"), test_split="test")
     args = _args(tmp_path, optim="sgd", learning_rate=0.01)
-    runner = recipe.main(script, args)
+    runner = recipe.main(model, data, args)
     _check_run(tmp_path)
     if model_kwargs:  # the tiny MaxViT from model_kwargs, not the 15M-parameter default
         assert sum(p.numel() for p in runner.pretrained.parameters()) < 50_000
@@ -221,11 +252,10 @@ def test_pspnet_recipe_on_a_saved_dataset(tmp_path):
 
     datasets.DatasetDict({"train": split(8), "validation": split(4)}).save_to_disk(tmp_path / "seg")
     recipe = _recipe("pspnet_segmentation")
-    script = recipe.ScriptArguments(
-        encoder_name="resnet18", encoder_weights=None, num_classes=2, dataset_path=str(tmp_path / "seg"), crop_size=32
-    )
+    model = recipe.ModelArguments(encoder_name="resnet18", encoder_weights=None, num_classes=2, crop_size=32)
+    data = DataArguments(dataset_path=str(tmp_path / "seg"))
     args = _args(tmp_path, optim="sgd", learning_rate=0.01)
-    runner = recipe.main(script, args)
+    runner = recipe.main(model, data, args)
     _check_run(tmp_path)
 
     # Validation comes from the raw train split, resized and normalised but never flipped.
