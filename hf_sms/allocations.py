@@ -9,11 +9,12 @@ layers use it in which order (see :func:`hf_sms.prunable.first_use`).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
 
-from .prunable import Masks, PrunableTensor, first_use, last_use
+from .prunable import Masks, PrunableTensor, filter_index, first_use, last_use, per_filter_sum
 
 Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
 ALLOCATIONS: dict[str, Allocation] = {}
@@ -138,3 +139,38 @@ def lamp_scores(weight: torch.Tensor) -> torch.Tensor:
 def lamp_magnitude(tensors, weights, masks, sparsity):
     # Pruned weights are zero, so they already rank first within each tensor.
     return _global_top(tensors, {n: lamp_scores(w * masks[n]) for n, w in weights.items()}, masks, sparsity)
+
+
+def _filter_prune(tensors, weights, masks, sparsity, p: int) -> Masks:
+    convs = [t for t in tensors if t.kind == "conv"]
+    if not convs:  # consistent with linear layers never being pruned here, and every allocation runs on any model
+        warnings.warn("filter pruning removes conv filters only; this model has none: nothing pruned", stacklevel=5)
+    out = dict(masks)  # linear and embedding weights keep their masks: Li et al. 2017 prune conv filters only
+    for t in convs:
+        layout = (t.transposed, t.groups)
+        mask = masks[t.name]
+        alive = per_filter_sum(mask.long(), *layout) > 0
+        # Pruned entries are zero in ``weights``, so a partly pruned filter scores its surviving weights only.
+        norms = per_filter_sum(weights[t.name].abs().pow(p), *layout)
+        keep = _keep_top(_masked_scores(norms, alive), _n_keep(alive.numel(), sparsity, int(alive.sum())))
+        index = filter_index(mask.shape, *layout).to(mask.device).expand_as(mask)
+        out[t.name] = mask & keep[index]  # & mask: masks only grow, also inside the filters kept
+    return out
+
+
+@register_allocation("filter_l2")
+def filter_l2(tensors, weights, masks, sparsity):
+    """Structured pruning (Li et al. 2017, docs/method.md §2): in every conv layer remove the same fraction of
+    output filters, those of smallest L2 norm, each as a whole.
+
+    ``sparsity`` is the fraction of *filters* per conv layer: exactly ``round(sparsity * n_filters)`` are removed
+    in each (more if earlier masks already removed more; removed filters stay removed). Linear and embedding
+    weights are not pruned, so the fraction of weights removed is lower than ``sparsity``.
+    """
+    return _filter_prune(tensors, weights, masks, sparsity, p=2)
+
+
+@register_allocation("filter_l1")
+def filter_l1(tensors, weights, masks, sparsity):
+    """As ``filter_l2`` but scoring filters by their L1 norm, Li et al. 2017's own criterion (their §3.1)."""
+    return _filter_prune(tensors, weights, masks, sparsity, p=1)

@@ -4,9 +4,15 @@ No ``torch.nn.utils.prune`` reparametrisation: it breaks ``deepcopy`` and double
 gradients are masked before clipping and the optimizer step (so clipping norms, Adam moments and
 Adafactor's factored statistics see only live weights), and after each step the weights and every
 per-element optimizer state are masked again, which also covers optimizers that mix entries.
+
+DPF (Lin et al. 2020) instead keeps the dense weights and only masks them around the forward and backward
+pass: :meth:`MaskEnforcer.masked_weights`.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -25,6 +31,7 @@ class MaskEnforcer:
         # Kept in each weight's dtype: with bool masks _foreach_mul_ promotes types and runs ~3x slower on CPU.
         self._device_masks = [m.to(device=p.device, dtype=p.dtype) for m, p in zip(masks.values(), self.params)]
         self._state_cache: tuple[int, int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._dense: list[torch.Tensor] | None = None  # DPF's copy of the dense values, reused every step
 
     def _sync_devices(self) -> None:
         # The Trainer may move (or cast) the model after the masks were bound.
@@ -41,8 +48,33 @@ class MaskEnforcer:
 
     @torch.no_grad()
     def mask_parameters(self) -> None:
+        if not self.params:  # no masks (a run that starts dense); _foreach kernels reject empty lists
+            return
         self._sync_devices()
         torch._foreach_mul_([p.data for p in self.params], self._device_masks)
+
+    @contextlib.contextmanager
+    def masked_weights(self) -> Iterator[None]:
+        """Zero the pruned weights inside the block and give the dense values back on exit.
+
+        DPF (Lin et al. 2020, "Dynamic Model Pruning with Feedback"): forward and backward run at the masked
+        weights, the gradient (not masked: pruned entries get one too) then updates the dense weights.
+        """
+        if not self.params:
+            yield
+            return
+        self._sync_devices()
+        data = [p.data for p in self.params]
+        if self._dense is None or any(d.device != p.device or d.dtype != p.dtype for d, p in zip(self._dense, data)):
+            self._dense = [torch.empty_like(p) for p in data]
+        with torch.no_grad():
+            torch._foreach_copy_(self._dense, data)
+            torch._foreach_mul_(data, self._device_masks)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(data, self._dense)
 
     @torch.no_grad()
     def mask_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:

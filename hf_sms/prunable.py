@@ -71,6 +71,10 @@ class PrunableTensor:
     param: nn.Parameter
     kind: str  # "conv" | "linear" | "embedding"
     uses: tuple[Use, ...] = ()
+    # Conv layout, so filter (structured) allocations find each output filter: ConvTranspose weights are
+    # (in, out / groups, *k), other conv weights (out, in / groups, *k).
+    transposed: bool = False
+    groups: int = 1
 
 
 def _registration_uses(model: nn.Module) -> dict[int, list[Use]]:
@@ -100,8 +104,36 @@ def prunable_tensors(model: nn.Module) -> list[PrunableTensor]:
             if id(weight) in seen or id(weight) not in names:
                 continue
             seen.add(id(weight))
-            out.append(PrunableTensor(names[id(weight)], weight, entry[0], tuple(uses[id(weight)])))
+            layout = (bool(module.transposed), int(module.groups)) if entry[0] == "conv" else (False, 1)
+            out.append(PrunableTensor(names[id(weight)], weight, entry[0], tuple(uses[id(weight)]), *layout))
     return out
+
+
+def filter_index(shape: torch.Size | tuple[int, ...], transposed: bool = False, groups: int = 1) -> torch.Tensor:
+    """The output channel (filter) of every entry of a conv weight of ``shape``, shaped to broadcast over it.
+
+    Filter ``o`` of a Conv is ``weight[o]``; of a ConvTranspose with ``g`` groups it is ``weight[i, j]`` for the
+    input channels ``i`` of group ``o // (out / g)`` and ``j = o % (out / g)`` (Li et al. 2017 prune such filters).
+    """
+    d0, d1 = shape[0], shape[1]
+    if transposed:
+        per_group_in = d0 // groups
+        index = (torch.arange(d0) // per_group_in * d1).view(d0, 1) + torch.arange(d1).view(1, d1)
+    else:
+        index = torch.arange(d0).view(d0, 1).expand(d0, d1)
+    return index.reshape(d0, d1, *[1] * (len(shape) - 2))
+
+
+def n_filters(shape: torch.Size | tuple[int, ...], transposed: bool = False, groups: int = 1) -> int:
+    """How many output filters a conv weight of ``shape`` has."""
+    return shape[1] * groups if transposed else shape[0]
+
+
+def per_filter_sum(values: torch.Tensor, transposed: bool = False, groups: int = 1) -> torch.Tensor:
+    """``values`` (shaped like a conv weight) summed over each output filter: one entry per filter."""
+    index = filter_index(values.shape, transposed, groups).to(values.device).expand_as(values)
+    out = torch.zeros(n_filters(values.shape, transposed, groups), dtype=values.dtype, device=values.device)
+    return out.index_add_(0, index.reshape(-1), values.reshape(-1))
 
 
 @contextmanager

@@ -15,6 +15,7 @@ from torch import nn
 
 from .allocations import ALLOCATIONS
 from .prunable import Masks, PrunableTensor, call_order_uses, prunable_tensors
+from .structured import filter_sparsity
 
 
 def _check_sparsity(sparsity: float) -> None:
@@ -99,6 +100,8 @@ def masks_from_model(model: nn.Module) -> Masks:
 def sparsity_report(model: nn.Module, masks: Masks | None = None) -> dict:
     """Measured sparsity: fraction of exact zeros in the prunable weights, globally and per tensor.
 
+    ``report["filters"]`` is the structured view (Li et al. 2017, docs/method.md §2): the fraction of conv output
+    filters that are entirely zero, overall and per conv weight (:func:`hf_sms.structured.filter_sparsity`).
     If ``masks`` is given, also reports the mask's sparsity, so the two can be compared.
     """
     per_tensor, zeros, numel = {}, 0, 0
@@ -110,6 +113,7 @@ def sparsity_report(model: nn.Module, masks: Masks | None = None) -> dict:
     all_params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() for p in all_params)
     report["model_sparsity"] = sum(int((p == 0).sum()) for p in all_params) / max(total, 1)
+    report["filters"] = filter_sparsity(model)
     if masks is not None:
         pruned = sum(int((~m).sum()) for m in masks.values())
         report["mask_sparsity"] = pruned / max(sum(m.numel() for m in masks.values()), 1)

@@ -28,6 +28,11 @@ ROW_NAMES = {
 }
 
 
+def value(row: dict, split: str) -> float | None:
+    """A row's score on ``split``: "val", "test" (the first test set) or any named test set."""
+    return row[split] if split in ("val", "test") else row.get("tests", {}).get(split)
+
+
 def metric_table(runs: list[dict], split: str = "test") -> dict[str, list[list[float]]]:
     """``{method: [[value per run] per phase]}`` for one split, ensemble included from the diagnostics."""
     table: dict[str, list[list[float]]] = {}
@@ -39,8 +44,8 @@ def metric_table(runs: list[dict], split: str = "test") -> dict[str, list[list[f
         for method, phases in rows.items():
             cols = table.setdefault(method, [[] for _ in phases])
             for col, row in zip(cols, phases):
-                if row.get(split) is not None:
-                    col.append(row[split])
+                if value(row, split) is not None:
+                    col.append(value(row, split))
     return table
 
 
@@ -53,11 +58,14 @@ def _cell(values: list[float]) -> str:
 
 
 def format_table(runs: list[dict], split: str = "test") -> str:
-    """Markdown table: rows are methods, columns are phases (mean ± std over runs)."""
+    """Markdown table: rows are methods, columns are the dense model and the phases (mean ± std over runs)."""
     phases = runs[0]["phases"]
     table = metric_table(runs, split)
+    dense = [value(r["dense"], split) for r in runs if r.get("dense") and value(r["dense"], split) is not None]
     head = "| method | " + " | ".join(f"phase {i + 1} ({100 * s:.1f}%)" for i, s in enumerate(phases)) + " |"
     lines = [head, "|" + "---|" * (len(phases) + 1)]
+    if dense:  # the paper's "unpruned" value, the same for every phase
+        lines.append(f"| dense (unpruned) | {_cell(dense)} |" + " |" * (len(phases) - 1))
     for method in [m for m in ROW_ORDER if m in table] + sorted(set(table) - set(ROW_ORDER)):
         lines.append(f"| {ROW_NAMES.get(method, method)} | " + " | ".join(_cell(c) for c in table[method]) + " |")
     return "\n".join(lines)
@@ -71,25 +79,38 @@ def save_results(results: dict | list[dict], path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def plot_results(runs: list[dict], path: str, split: str = "test", ylabel: str = "test accuracy (%)") -> None:
-    """PNG of the metric vs sparsity, one line per method, mean ± std over runs."""
+def test_names(run: dict) -> list[str]:
+    """The named test sets a run reports ("test" alone for a run with one unnamed test set)."""
+    first = next(iter(run["rows"].values()))[0]
+    return list(first.get("tests") or {}) or ["test"]
+
+
+def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, ylabel: str = "metric") -> None:
+    """PNG of each test metric vs sparsity (one panel per test set), one line per method, mean ± std over runs;
+    the dense model is the dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    splits = splits or test_names(runs[0])
     phases = [100 * s for s in runs[0]["phases"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method, cols in metric_table(runs, split).items():
-        if not all(cols):
-            continue
-        means = [statistics.mean(c) for c in cols]
-        stds = [statistics.stdev(c) if len(c) > 1 else 0.0 for c in cols]
-        ax.errorbar(phases, means, yerr=stds, marker="o", capsize=3, label=ROW_NAMES.get(method, method))
-    ax.set_xlabel("sparsity (%)")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(splits), figsize=(6 * len(splits), 4), squeeze=False)
+    for ax, split in zip(axes[0], splits):
+        dense = [value(r["dense"], split) for r in runs if r.get("dense") and value(r["dense"], split) is not None]
+        if dense:
+            ax.axhline(statistics.mean(dense), color="gray", linestyle="--", linewidth=1, label="dense (unpruned)")
+        for method, cols in metric_table(runs, split).items():
+            if not all(cols):
+                continue
+            means = [statistics.mean(c) for c in cols]
+            stds = [statistics.stdev(c) if len(c) > 1 else 0.0 for c in cols]
+            ax.errorbar(phases, means, yerr=stds, marker="o", capsize=3, label=ROW_NAMES.get(method, method))
+        ax.set_title(split)
+        ax.set_xlabel("sparsity (%)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path + ".tmp.png", dpi=120)
     plt.close(fig)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -86,6 +87,8 @@ def data_hash(dataset, samples: int = 16) -> str | None:
         return None
     if hasattr(dataset, "_fingerprint"):
         return f"datasets:{dataset._fingerprint}"
+    if isinstance(dataset, Mapping):  # several sets, e.g. corrupted copies of a test set
+        return hashlib.sha256(json.dumps({str(k): data_hash(v) for k, v in dataset.items()}).encode()).hexdigest()[:16]
     try:
         n = len(dataset)
     except TypeError:

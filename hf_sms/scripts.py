@@ -10,7 +10,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from .results import format_table
+from .results import format_table, test_names
 from .sms import SparseModelSoup
 
 
@@ -152,6 +152,7 @@ def stack_collate(items: list[dict]) -> dict:
 
 
 def finish(runner: SparseModelSoup) -> None:
-    """Print the table of the test metric per phase (main process)."""
+    """Print, for every test set, the table of the metric per phase beside the dense model (main process)."""
     if runner.world.is_main:
-        print("\nTest metric after each phase:\n" + format_table([runner.results], "test"), flush=True)
+        for name in test_names(runner.results):
+            print(f"\n{name} after each phase:\n" + format_table([runner.results], name), flush=True)

@@ -24,6 +24,7 @@ from .data import split_validation
 from .diagnostics import diversity, log_diversity
 from .distributed import ReplicaWorld
 from .evaluation import MetricFn, theoretical_speedup
+from .evaluators import measure, named_tests
 from .merge import MERGE_METHODS, check_same_masks
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
 from .results import save_results
@@ -53,7 +54,10 @@ class SparseModelSoup:
             also has ``predict(model, dataset)`` and ``score(predictions, dataset)`` (as
             :class:`hf_sms.evaluation.ClassificationAccuracy` does), the replicas' prediction ensemble is
             reported too: it tells whether a soup can gain at all.
-        test_dataset: reported only, never used for selection.
+        test_dataset: reported only, never used for selection: a dataset (scored with ``metric_fn``), or named
+            test sets ``{name: dataset or (dataset, metric)}`` (see :func:`hf_sms.evaluators.named_tests`),
+            e.g. the clean test set, corrupted copies (:class:`hf_sms.evaluators.MeanOverSets`) and subgroups.
+            Every row of results.json carries each of them, and so does the dense starting model.
         data_collator, compute_loss_func, callbacks: passed to every replica's SparseSoupTrainer.
         processing_class: tokenizer or image processor, saved with the final soup.
         model_card: what the Hub model card names, e.g. ``{"base_model": "t5-small", "datasets": ["wmt16"]}``;
@@ -79,7 +83,10 @@ class SparseModelSoup:
             train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction, args.seed)
         check_inputs(args, train_dataset, eval_dataset, metric_fn)
         self.pretrained, self.args = model, args
-        self.train_dataset, self.eval_dataset, self.test_dataset = train_dataset, eval_dataset, test_dataset
+        self.tests = named_tests(test_dataset, metric_fn)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        # The ensemble diagnostic needs a test set scored with the selection metric.
+        self.test_dataset = next((d for d, m in self.tests.values() if m is metric_fn), None)
         self.metric_fn, self.processing_class, self.model_card = metric_fn, processing_class, model_card or {}
         self.trainer_kwargs = {"data_collator": data_collator, "callbacks": callbacks}
         if compute_loss_func is not None:
@@ -87,7 +94,7 @@ class SparseModelSoup:
         self.collate = data_collator or default_data_collator
         self.results: dict = {"phases": phase_sparsities(args.target_sparsity, args.n_phases), "rows": {}, "sms": []}
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
-        splits = {"train": train_dataset, "eval": eval_dataset, "test": test_dataset}
+        splits = {"train": train_dataset, "eval": eval_dataset, **{f"test:{n}": d for n, (d, _) in self.tests.items()}}
         fingerprint = {
             "config": config_fingerprint(args),
             "model": model_hash(model),
@@ -103,6 +110,7 @@ class SparseModelSoup:
         self.run_dir.open()
         try:
             self.world.barrier()  # every rank waits until the main process has checked the directory
+            self.results["dense"] = self._measure(self.pretrained)  # the paper's "unpruned" column
             soups = {method: self.run_trajectory(method) for method in a.merge_methods}
             self.final_soup = soups[a.merge_methods[0]]
             for name in a.baselines:
@@ -285,8 +293,16 @@ class SparseModelSoup:
             "sparsity": sparsity_report(model)["sparsity"],
             "speedup": theoretical_speedup(model, self.example),
             "val": self.evaluate(model, self.eval_dataset),
-            "test": self.evaluate(model, self.test_dataset),
+            **self._test_scores(model),
         }
+
+    def _test_scores(self, model: nn.Module) -> dict:
+        """``test`` (the first test set), ``tests`` (every named one) and, where a metric gives them, ``details``."""
+        measured = {name: measure(metric, model, dataset) for name, (dataset, metric) in self.tests.items()}
+        out = {"test": next(iter(measured.values()))[0] if measured else None}
+        out["tests"] = {name: value for name, (value, _) in measured.items()}
+        details = {name: d for name, (_, d) in measured.items() if d is not None}
+        return {**out, "details": details} if details else out
 
     def _record(self, method: str, phase: int, measured: dict, **extra) -> None:
         row = {"phase": phase + 1, **measured, **extra}
@@ -302,14 +318,17 @@ class SparseModelSoup:
             )
 
     def _record_sms(self, method: str, p: int, sparsity: float, cands: dict, val: list, soup, kept: list) -> None:
-        test = self._gather_metric(cands, self.test_dataset)
+        scores = self.world.gather({i: self._test_scores(c)["tests"] for i, c in cands.items()})
+        tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
+        test = next(iter(tests.values()), [None] * len(val))
         self._record(f"sms_{method}", p, self._measure(soup), kept=kept)
         primary = method == self.args.merge_methods[0]
         if primary:  # the candidates of the trajectory reported as the final soup
             best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
             same = {k: self.results["rows"][f"sms_{method}"][-1][k] for k in ("sparsity", "speedup")}  # same mask
-            self._record("best_candidate", p, {**same, "val": val[best], "test": test[best]}, index=best)
-            mean = {k: sum(v) / len(v) if None not in v else None for k, v in (("val", val), ("test", test))}
+            picked = {"val": val[best], "test": test[best], "tests": {n: v[best] for n, v in tests.items()}}
+            self._record("best_candidate", p, {**same, **picked}, index=best)
+            mean = {"val": _mean(val), "test": _mean(test), "tests": {n: _mean(v) for n, v in tests.items()}}
             self._record("mean_candidate", p, {**same, **mean})
         numel = sum(t.numel() for t in soup.parameters())
         diag = {
@@ -330,6 +349,10 @@ class SparseModelSoup:
     def _save_results(self) -> None:
         if self.world.is_main:
             save_results(self.results, self.run_dir.path(RESULTS_FILE))
+
+
+def _mean(values: list) -> float | None:
+    return None if None in values else sum(values) / len(values)
 
 
 def run_sms(model: nn.Module, args: SparseSoupConfig, train_dataset, metric_fn: MetricFn, **kwargs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 
@@ -69,11 +71,18 @@ class _MaskCallback(TrainerCallback):
     def __init__(self, trainer: SparseSoupTrainer):
         self.trainer = trainer
 
+    # In feedback mode (DPF) the weights stay dense between steps: nothing is masked here.
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        self.trainer.enforcer.after_step(optimizer)  # also cleans optimizer state restored on resume
+        if not self.trainer.feedback:
+            self.trainer.enforcer.after_step(optimizer)  # also cleans optimizer state restored on resume
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.trainer.enforcer.after_step(optimizer)
+        if not self.trainer.feedback:
+            self.trainer.enforcer.after_step(optimizer)
+
+
+def _shifted(lr_lambda, offset: int, step: int) -> float:
+    return lr_lambda(step + offset)
 
 
 class SparseSoupTrainer(Trainer):
@@ -89,7 +98,16 @@ class SparseSoupTrainer(Trainer):
         process_group: train data-parallel over this ``torch.distributed`` group only (one replica's group
             of processes in a replica-parallel SMS run; see :mod:`hf_sms.distributed`). ``None``: the
             usual accelerate behaviour.
+        lr_schedule: ``"retrain"``: the retraining schedule ``args.retrain_schedule`` (docs/method.md §3);
+            ``"original"``: transformers' own ``args.lr_scheduler_type`` schedule, for pruning during
+            training (GMP, DPF; docs/method.md §7). ``None``: ``args.lr_schedule`` if set, else ``"retrain"``.
+        step_offset, total_steps: this trainer runs global iterations ``step_offset + 1`` to
+            ``step_offset + max_steps`` of a run of ``total_steps`` (default ``step_offset + max_steps``),
+            e.g. one phase of GMP+SMS. The ``"original"`` schedule and the callbacks of
+            :mod:`hf_sms.during_training` use these global iteration numbers.
         **kwargs: passed to ``Trainer``.
+
+    ``masks={}`` starts dense (nothing is masked until a callback calls :meth:`set_masks`).
     """
 
     def __init__(
@@ -98,6 +116,9 @@ class SparseSoupTrainer(Trainer):
         args: TrainingArguments | None = None,
         masks: Masks | PruningStep | None = None,
         process_group=None,
+        lr_schedule: str | None = None,
+        step_offset: int = 0,
+        total_steps: int | None = None,
         **kwargs,
     ):
         if args is None:
@@ -119,6 +140,13 @@ class SparseSoupTrainer(Trainer):
             step = PruningStep.measure(self.model, masks)
         if step.masks and not any(bool(m.any()) for m in step.masks.values()):
             raise ValueError("the masks prune every weight (all False): nothing would train; True marks a kept weight")
+        self.lr_schedule = lr_schedule or getattr(args, "lr_schedule", "retrain")
+        if self.lr_schedule not in ("retrain", "original"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose 'retrain' or 'original'")
+        if step_offset < 0 or (total_steps is not None and total_steps <= step_offset):
+            raise ValueError(f"need 0 <= step_offset < total_steps, got {step_offset} and {total_steps}")
+        self.step_offset, self.total_steps = step_offset, total_steps
+        self.feedback = False  # DPF mode, switched on by hf_sms.during_training.DynamicPruning
         self.pruning_step = step
         self.process_group = process_group
         apply_masks(self.model, step.masks)
@@ -129,14 +157,35 @@ class SparseSoupTrainer(Trainer):
     def masks(self) -> Masks:
         return self.enforcer.masks
 
+    def set_masks(self, masks: Masks, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Train under ``masks`` from now on (pruning during training, :mod:`hf_sms.during_training`).
+
+        Outside feedback mode the pruned weights and their optimizer state (momentum, Adam's moments) are
+        zeroed now, so a newly pruned weight carries no momentum into the next step (Zhu & Gupta 2017).
+        """
+        self.pruning_step = PruningStep.measure(self.model, masks)
+        self.enforcer = MaskEnforcer(self.model, masks)
+        if not self.feedback:
+            self.enforcer.after_step(optimizer)
+
+    def _feedback_context(self):
+        # DPF (Lin et al. 2020): forward and backward see the masked weights, the optimizer the dense ones.
+        return self.enforcer.masked_weights() if self.feedback else contextlib.nullcontext()
+
     # -- the two hooks that keep masks exact -------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with self._feedback_context():
+            loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients:  # last micro-batch: mask before clipping and the step
             if self.process_group is not None:
                 self._average_gradients_in_group()
-            self.enforcer.mask_gradients()
+            if not self.feedback:  # DPF's error feedback needs the gradient of pruned entries too
+                self.enforcer.mask_gradients()
         return loss
+
+    def evaluate(self, *args, **kwargs):
+        with self._feedback_context():  # DPF is judged by the sparse model it returns
+            return super().evaluate(*args, **kwargs)
 
     @torch.no_grad()
     def _average_gradients_in_group(self) -> None:
@@ -171,7 +220,19 @@ class SparseSoupTrainer(Trainer):
             return float(args.num_train_epochs)
         return num_training_steps / max(math.ceil(per_epoch / args.gradient_accumulation_steps), 1)
 
+    def _original_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None):
+        total = self.total_steps or self.step_offset + num_training_steps
+        scheduler = Trainer.create_scheduler(self, total, optimizer)
+        if self.step_offset:  # a phase of a longer run: the rates of its global iterations
+            if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                raise ValueError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} cannot start at a step_offset")
+            shifted = [functools.partial(_shifted, f, self.step_offset) for f in scheduler.lr_lambdas]
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(scheduler.optimizer, shifted)
+        return self.lr_scheduler
+
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None and self.lr_schedule == "original":
+            return self._original_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
             args = self.args
             ratio = self._retrain_epochs(num_training_steps) / args.pretrain_epochs if args.pretrain_epochs else 1.0
@@ -193,7 +254,10 @@ class SparseSoupTrainer(Trainer):
     # -- logging, saving, resuming -----------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         with torch.no_grad():
-            zeros = sum(int((p == 0).sum()) for p in self.enforcer.params)
+            if self.feedback:  # DPF's weights are dense: the sparsity that counts is the mask's
+                zeros = sum(int((~m).sum()) for m in self.masks.values())
+            else:
+                zeros = sum(int((p == 0).sum()) for p in self.enforcer.params)
             logs["sparsity"] = round(zeros / max(sum(p.numel() for p in self.enforcer.params), 1), 6)
         super().log(logs, start_time)
 
@@ -215,6 +279,9 @@ class SparseSoupTrainer(Trainer):
                 )
             self.pruning_step = saved
             self.enforcer = MaskEnforcer(self.model, saved.masks)
+        for callback in self.callback_handler.callbacks:  # e.g. GradualPruning: it prunes through this trainer
+            if hasattr(callback, "bind_trainer"):
+                callback.bind_trainer(self)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def recalibrate_batchnorm(self, dataset=None, max_batches: int | None = None):

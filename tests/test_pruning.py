@@ -367,7 +367,8 @@ def test_bad_n_phases_is_explained(n_phases):
 
 
 def test_unknown_allocation_lists_the_choices():
-    with pytest.raises(ValueError, match=r"unknown allocation 'random'; choose one of \['erk', 'global'"):
+    expected = r"unknown allocation 'random'; choose one of \['erk', 'filter_l1', 'filter_l2', 'global'"
+    with pytest.raises(ValueError, match=expected):
         compute_masks(make_cnn(), 0.5, "random")
 
 

@@ -244,7 +244,10 @@ def test_masks_for_another_model_are_explained(make_args, image_dataset):
         (dict(target_sparsity=1.0), r"sparsity must be a fraction in \[0, 1\)"),
         (dict(target_sparsity=-0.2), r"sparsity must be a fraction in \[0, 1\)"),
         (dict(n_phases=0), "n_phases must be a positive integer"),
-        (dict(allocation="random"), r"allocation='random' is unknown; choose one of \['erk', 'global'"),
+        (
+            dict(allocation="random"),
+            r"allocation='random' is unknown; choose one of \['erk', 'filter_l1', 'filter_l2', 'global'",
+        ),
         (dict(retrain_schedule="cosine"), r"retrain_schedule='cosine' is unknown; choose one of"),
         (dict(merge_methods=["ties"]), r"merge_methods \['ties'\] are unknown; choose from"),
         (dict(num_replicas=0), "num_replicas must be an integer >= 1"),

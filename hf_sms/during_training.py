@@ -1,0 +1,203 @@
+"""Pruning during training: GMP and DPF inside one ``SparseSoupTrainer`` run (docs/method.md §7).
+
+The paper's Section 4.3 prunes while training instead of after it, with SMS merging between pruning steps:
+
+- GMP, gradual magnitude pruning (Zhu & Gupta 2017, "To prune, or not to prune"): ``n`` pruning steps at
+  uniformly distributed iterations, sparsity following a cubic schedule; masks only grow.
+- DPF, dynamic pruning with feedback (Lin et al. 2020, "Dynamic Model Pruning with Feedback"): dense weights
+  are kept and trained with the gradient taken at the masked weights; the mask is recomputed from the dense
+  weights every 16 iterations, so a pruned weight can come back.
+
+Both follow the original LR schedule (``SparseSoupTrainer(..., lr_schedule="original")``), start dense
+(``masks={}``) and share the same schedule of targets, given here as pure functions of the iteration.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transformers import TrainerCallback
+
+from .allocations import ALLOCATIONS
+from .pruning import compute_masks
+
+if TYPE_CHECKING:
+    from .trainer import SparseSoupTrainer
+
+
+def _check_schedule(n: int, target: float) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"the number of pruning steps must be an integer >= 1, got {n!r}")
+    if not (isinstance(target, (int, float)) and 0.0 <= target < 1.0):
+        raise ValueError(f"target sparsity must be a fraction in [0, 1), got {target!r}")
+
+
+def gmp_sparsity(k: int, n: int, target: float) -> float:
+    """Sparsity after pruning step ``k`` of ``n`` (0 <= k <= n): ``target * (1 - (1 - k/n) ** 3)``.
+
+    Zhu & Gupta 2017's cubic schedule: large steps early, while many redundant weights remain, small ones
+    at the end. ``gmp_sparsity(0, n, S) == 0`` and ``gmp_sparsity(n, n, S) == S`` exactly.
+    """
+    _check_schedule(n, target)
+    if not (isinstance(k, int) and 0 <= k <= n):
+        raise ValueError(f"pruning step k must be an integer in [0, {n}], got {k!r}")
+    return float(target) * (1.0 - (1.0 - k / n) ** 3)
+
+
+def pruning_iterations(total_steps: int, n: int) -> list[int]:
+    """The iterations after which GMP prunes: ``round(k * total_steps / (n + 1))`` for k = 1..n.
+
+    The paper only says "prune at uniformly distributed timesteps". We split training into ``n + 1`` equal
+    intervals: dense training first, then one interval after each pruning step, so the last step also gets
+    a full interval to recover in (pruning at the very end would leave the last step untrained). Iteration
+    t means "after t optimizer steps". With ``total_steps >= n + 1`` the iterations are strictly increasing
+    and lie in ``[1, total_steps - 1]``. (``round`` is Python's, ties to even.)
+    """
+    _check_schedule(n, 0.0)
+    if not isinstance(total_steps, int) or total_steps < n + 1:
+        raise ValueError(f"{n} pruning steps need total_steps >= {n + 1} (one interval each), got {total_steps!r}")
+    return [round(k * total_steps / (n + 1)) for k in range(1, n + 1)]
+
+
+def pruning_targets(total_steps: int, n: int, target: float) -> dict[int, float]:
+    """``{iteration: sparsity}`` of GMP's pruning steps (:func:`pruning_iterations`, :func:`gmp_sparsity`)."""
+    _check_schedule(n, target)
+    return {t: gmp_sparsity(k, n, target) for k, t in enumerate(pruning_iterations(total_steps, n), start=1)}
+
+
+def sparsity_at(iteration: int, total_steps: int, n: int, target: float) -> float:
+    """GMP's sparsity at ``iteration``: that of the last pruning step at or before it (0 before the first).
+
+    DPF (Lin et al. 2020) recomputes its mask at this target.
+    """
+    reached = [s for t, s in pruning_targets(total_steps, n, target).items() if t <= iteration]
+    return reached[-1] if reached else 0.0
+
+
+def gmp_phases(total_steps: int, n: int, target: float) -> list[tuple[int, int, float]]:
+    """GMP+SMS's phases: ``(start_iteration, end_iteration, sparsity to prune to at start)``, n + 1 of them.
+
+    The phases tile ``[0, total_steps]``: the first trains dense (sparsity 0.0: nothing to prune), each
+    later one starts at a pruning step (Zhu & Gupta 2017's schedule). A phase trains ``end - start`` steps
+    (``max_steps``) with ``SparseSoupTrainer(..., lr_schedule="original", step_offset=start,
+    total_steps=total_steps)``, so its learning rates are those of the single run; the soup is merged
+    before the next pruning step (docs/method.md §7). ``gmp_phases(8, 3, 0.9)`` is
+    ``[(0, 2, 0.0), (2, 4, 0.6333), (4, 6, 0.8667), (6, 8, 0.9)]`` (rounded).
+    """
+    targets = pruning_targets(total_steps, n, target)
+    starts = [0, *targets]
+    ends = [*targets, total_steps]
+    return [(a, b, targets.get(a, 0.0)) for a, b in zip(starts, ends)]
+
+
+class GradualPruning(TrainerCallback):
+    """GMP (Zhu & Gupta 2017) in one :class:`~hf_sms.SparseSoupTrainer` run.
+
+    At each iteration of :func:`pruning_targets` the model is magnitude-pruned to the cubic schedule's
+    sparsity with ``allocation`` (masks only grow), the pruned weights and their optimizer state (momentum,
+    Adam's moments) are zeroed, and the trainer keeps the new masks exact from then on::
+
+        trainer = SparseSoupTrainer(model, args, masks={}, lr_schedule="original",
+                                    callbacks=[GradualPruning(n_steps=4, target=0.9)])
+
+    Iterations are global: ``trainer.step_offset + state.global_step`` in a run of ``trainer.total_steps``
+    (default: this trainer's ``max_steps``). A trainer covering iterations ``(a, b]`` prunes at ``a`` when
+    training begins and at the pruning iterations in ``(a, b)``; the one at ``b`` belongs to the next
+    phase's start, so training split into consecutive phases prunes exactly as one run would.
+
+    Args:
+        n_steps: number of pruning steps n.
+        target: final sparsity S in [0, 1).
+        allocation: a name in ``ALLOCATIONS``; the paper's "global" by default.
+        example_inputs: a batch that orders layers by call (for ``uniform_plus``; see ``compute_masks``).
+    """
+
+    def __init__(self, n_steps: int, target: float, allocation: str = "global", example_inputs=None):
+        _check_schedule(n_steps, target)
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"unknown allocation {allocation!r}; choose one of {sorted(ALLOCATIONS)}")
+        self.n_steps, self.target, self.allocation = n_steps, float(target), allocation
+        self.example_inputs = example_inputs
+        self.trainer: SparseSoupTrainer | None = None
+
+    def bind_trainer(self, trainer: SparseSoupTrainer) -> None:
+        """Called by ``SparseSoupTrainer.train``: the callback prunes through the trainer's masks."""
+        self.trainer = trainer
+
+    def _window(self, state) -> tuple[int, int]:
+        if self.trainer is None:
+            raise RuntimeError(f"{type(self).__name__} works with SparseSoupTrainer, which binds it in train()")
+        offset = self.trainer.step_offset
+        total = self.trainer.total_steps or offset + state.max_steps
+        if offset + state.max_steps > total:
+            raise ValueError(f"iterations {offset}+{state.max_steps} run past total_steps={total}")
+        return offset, total
+
+    def _sparsity_to_prune(self, iteration: int, total: int) -> float | None:
+        return pruning_targets(total, self.n_steps, self.target).get(iteration)
+
+    def _prune(self, sparsity: float, optimizer) -> None:
+        trainer = self.trainer
+        masks = compute_masks(trainer.model, sparsity, self.allocation, trainer.masks or None, self.example_inputs)
+        trainer.set_masks(masks, optimizer)
+
+    def _maybe_prune(self, state, optimizer) -> None:
+        offset, total = self._window(state)
+        sparsity = self._sparsity_to_prune(offset + state.global_step, total)
+        if sparsity is not None:
+            self._prune(sparsity, optimizer)
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        offset, total = self._window(state)
+        allowed = sparsity_at(offset + state.global_step, total, self.n_steps, self.target)
+        masks = self.trainer.masks
+        pruned, numel = sum(int((~m).sum()) for m in masks.values()), sum(m.numel() for m in masks.values())
+        if pruned > round(allowed * numel) + len(masks):  # slack: per-tensor rounding of other allocations
+            raise ValueError(
+                f"the trainer starts at sparsity {pruned / numel:.4f} but the schedule is at {allowed:.4f} here; "
+                "start dense with SparseSoupTrainer(..., masks={}) (masks=None prunes to args.target_sparsity)"
+            )
+        self._maybe_prune(state, optimizer)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step < state.max_steps:  # the last iteration's pruning belongs to the next phase
+            self._maybe_prune(state, optimizer)
+
+
+class DynamicPruning(GradualPruning):
+    """DPF (Lin et al. 2020, "Dynamic Model Pruning with Feedback") in one SparseSoupTrainer run.
+
+    Puts the trainer in feedback mode: the weights stay dense; each step's forward and backward run at the
+    masked weights and the (unmasked) gradient updates the dense weights, so pruned weights keep learning.
+    Every ``interval`` global iterations, and at each of GMP's pruning iterations, the mask is recomputed
+    from the dense weights at :func:`sparsity_at` (GMP's current target; no mask before its first pruning
+    step): a weight that grew back is kept again. When training ends the current mask is applied to the
+    weights and the optimizer state, so the returned model is sparse and masks are exact from then on.
+    The recompute at pruning iterations (not only every ``interval``) reaches each target when GMP does.
+    """
+
+    def __init__(
+        self, n_steps: int, target: float, allocation: str = "global", interval: int = 16, example_inputs=None
+    ):
+        super().__init__(n_steps, target, allocation, example_inputs)
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval (iterations between mask updates) must be an integer >= 1, got {interval!r}")
+        self.interval = interval
+
+    def bind_trainer(self, trainer: SparseSoupTrainer) -> None:
+        super().bind_trainer(trainer)
+        trainer.feedback = True
+
+    def _sparsity_to_prune(self, iteration: int, total: int) -> float | None:
+        due = iteration in pruning_targets(total, self.n_steps, self.target) or iteration % self.interval == 0
+        sparsity = sparsity_at(iteration, total, self.n_steps, self.target)
+        return sparsity if due and sparsity > 0 else None
+
+    def _prune(self, sparsity: float, optimizer) -> None:
+        # From the dense weights and without the old masks: a pruned weight that grew large comes back.
+        masks = compute_masks(self.trainer.model, sparsity, self.allocation, None, self.example_inputs)
+        self.trainer.set_masks(masks)
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        self.trainer.feedback = False
+        self.trainer.enforcer.after_step(optimizer)

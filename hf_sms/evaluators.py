@@ -1,0 +1,74 @@
+"""Named evaluations of a run: which test sets are scored, with which metric (docs/method.md §8).
+
+A run is selected on validation only; it may report any number of test sets, e.g. the clean test set,
+corrupted copies of it (OOD accuracy) and a subgroup metric (fairness). A metric is any
+``metric(model, dataset) -> float``; one that also has ``details(model, dataset) -> dict`` (per corruption,
+per subgroup) gets its details kept in results.json, and the details' ``"value"`` is its score.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+
+from torch import nn
+
+MetricFn = Callable[[nn.Module, object], float]
+
+
+def named_tests(test_dataset, metric_fn: MetricFn) -> dict[str, tuple[object, MetricFn]]:
+    """``{name: (dataset, metric)}`` from what a caller passes as ``test_dataset``.
+
+    ``None`` gives no test set; a dataset is ``{"test": (dataset, metric_fn)}``; a mapping names its test
+    sets, each either a dataset (scored with ``metric_fn``) or a ``(dataset, metric)`` pair.
+    """
+    if test_dataset is None:
+        return {}
+    if not isinstance(test_dataset, Mapping) or hasattr(test_dataset, "column_names"):  # a datasets.Dataset
+        return {"test": (test_dataset, metric_fn)}
+    out = {}
+    for name, entry in test_dataset.items():
+        dataset, metric = (
+            entry if isinstance(entry, tuple) and len(entry) == 2 and callable(entry[1]) else (entry, metric_fn)
+        )
+        out[str(name)] = (dataset, metric)
+    return out
+
+
+def measure(metric: MetricFn, model: nn.Module, dataset) -> tuple[float, dict | None]:
+    """``(value, details or None)`` of ``metric`` on ``dataset``, evaluating once."""
+    if hasattr(metric, "details"):
+        details = metric.details(model, dataset)
+        return float(details["value"]), details
+    return float(metric(model, dataset)), None
+
+
+class MeanOverSets:
+    """A metric over several datasets: their mean, with every value kept (e.g. OOD accuracy over the 15
+    corruptions x 5 severities of CIFAR-100-C / ImageNet-C, Hendrycks & Dietterich 2019).
+
+    ``datasets`` maps a key to a dataset; keys that are ``(corruption, severity)`` pairs also get their
+    per-corruption and per-severity means in ``details``.
+    """
+
+    def __init__(self, metric: MetricFn):
+        self.metric = metric
+
+    def details(self, model: nn.Module, datasets: Mapping) -> dict:
+        values = {key: float(self.metric(model, d)) for key, d in datasets.items()}
+        out = {"value": statistics.mean(values.values()), "per_set": {_key(k): v for k, v in values.items()}}
+        pairs = [k for k in values if isinstance(k, tuple) and len(k) == 2]
+        if len(pairs) == len(values):
+            for axis, name in ((0, "per_corruption"), (1, "per_severity")):
+                groups: dict = {}
+                for key, value in values.items():
+                    groups.setdefault(_key(key[axis]), []).append(value)
+                out[name] = {g: statistics.mean(v) for g, v in groups.items()}
+        return out
+
+    def __call__(self, model: nn.Module, datasets: Mapping) -> float:
+        return self.details(model, datasets)["value"]
+
+
+def _key(key) -> str:
+    return "/".join(map(str, key)) if isinstance(key, tuple) else str(key)
