@@ -80,6 +80,30 @@ class SparseSoupConfig(TrainingArguments):
             "code; False: transformers' default (no decay on biases and LayerNorm weights)."
         },
     )
+    # Pruning during training (docs/method.md §7)
+    pruning_method: str = field(
+        default="imp",
+        metadata={
+            "help": "imp: prune a trained model, retrain, repeat (the SMS loop). gmp, dpf, bimp: prune during one "
+            "training budget of num_train_epochs from the given model, +SMS per phase when num_replicas > 1."
+        },
+    )
+    pruning_steps: int = field(default=9, metadata={"help": "GMP/DPF: pruning steps n, uniformly spaced (cubic)."})
+    dpf_interval: int = field(default=16, metadata={"help": "DPF: iterations between mask recomputations."})
+    bimp_pretrain_epochs: float | None = field(
+        default=None, metadata={"help": "BIMP: dense epochs before its n_phases IMP cycles (within the budget)."}
+    )
+    sms_start_epoch: float | None = field(
+        default=None,
+        metadata={"help": "GMP/DPF/BIMP +SMS: phases starting at or after this epoch train m copies (default: all)."},
+    )
+    lr_schedule: str = field(
+        default="retrain",
+        metadata={
+            "help": "retrain: the retraining schedule (retrain_schedule); original: lr_scheduler_type over the "
+            "whole run (what GMP, DPF and BIMP's pretraining use; set by the loop for them)."
+        },
+    )
     # Soup
     num_replicas: int = field(default=3, metadata={"help": "Replicas m retrained per phase and merged."})
     replicas_per_phase: list[int] | None = field(
@@ -181,6 +205,7 @@ class SparseSoupConfig(TrainingArguments):
                 "replica_epochs varies the retraining length in epochs, but max_steps > 0 fixes it in steps; "
                 "set max_steps=-1 (the default) or drop replica_epochs"
             )
+        self._check_pruning_method()
         if not 0.0 <= self.retrain_warmup_fraction < 1.0:
             raise ValueError(f"retrain_warmup_fraction must be in [0, 1), got {self.retrain_warmup_fraction}")
         if not 0.0 < self.validation_fraction < 1.0:
@@ -192,6 +217,43 @@ class SparseSoupConfig(TrainingArguments):
             )
         if self.retrain_schedule == "ft" and self.eta_min <= 0:
             raise ValueError("retrain_schedule='ft' trains at eta_min, which is 0 here: set pretrain_min_learning_rate")
+
+    def _check_pruning_method(self) -> None:
+        from .pruning_methods import PRUNING_METHODS  # the methods import the loop, which imports this module
+
+        if self.pruning_method not in {"imp", *PRUNING_METHODS}:
+            raise ValueError(
+                f"pruning_method={self.pruning_method!r} is unknown; choose imp, {sorted(PRUNING_METHODS)}"
+            )
+        if self.lr_schedule not in ("retrain", "original"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose 'retrain' or 'original'")
+        if self.pruning_method == "imp":
+            return
+        if self.baselines:
+            raise ValueError(
+                f"baselines compare against IMP; for pruning_method={self.pruning_method!r} run num_replicas=1 for "
+                "the plain method beside the +SMS run instead"
+            )
+        if not isinstance(self.pruning_steps, int) or self.pruning_steps < 1:
+            raise ValueError(f"pruning_steps must be an integer >= 1, got {self.pruning_steps!r}")
+        if not isinstance(self.dpf_interval, int) or self.dpf_interval < 1:
+            raise ValueError(f"dpf_interval must be an integer >= 1 (iterations), got {self.dpf_interval!r}")
+        budget = self.num_train_epochs if self.max_steps <= 0 else None
+        if self.sms_start_epoch is not None and (
+            self.sms_start_epoch < 0 or (budget is not None and self.sms_start_epoch >= budget)
+        ):
+            raise ValueError(
+                f"sms_start_epoch={self.sms_start_epoch} must lie in [0, num_train_epochs={self.num_train_epochs}); "
+                "copies that start after the end never train"
+            )
+        if self.pruning_method == "bimp":
+            if budget is None:
+                raise ValueError("bimp splits a budget of num_train_epochs: set max_steps=-1")
+            if self.bimp_pretrain_epochs is None or not 0 < self.bimp_pretrain_epochs < budget:
+                raise ValueError(
+                    f"bimp needs 0 < bimp_pretrain_epochs < num_train_epochs={budget} (the paper: 60 or 75 of 100), "
+                    f"got {self.bimp_pretrain_epochs}"
+                )
 
     @property
     def eta_max(self) -> float:

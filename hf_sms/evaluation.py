@@ -49,6 +49,8 @@ class ClassificationAccuracy:
     methods gets the ensemble row.
     """
 
+    name = "top-1 accuracy"
+
     def __init__(self, batch_size: int = 256, collate_fn=None):
         self.batch_size, self.collate_fn = batch_size, collate_fn
 
@@ -70,6 +72,8 @@ class ClassificationAccuracy:
 
 class BleuMetric:
     """Corpus BLEU (sacrebleu) of greedy or beam-search generations against ``labels`` (seq2seq models)."""
+
+    name = "BLEU"
 
     def __init__(self, tokenizer, max_new_tokens: int = 128, num_beams: int = 1, batch_size: int = 64, collate_fn=None):
         self.tokenizer, self.max_new_tokens, self.num_beams = tokenizer, max_new_tokens, num_beams
@@ -103,6 +107,8 @@ class MeanIoU:
     Pixels labelled ``ignore_index`` are skipped; classes absent from both prediction and labels are
     left out of the mean.
     """
+
+    name = "mIoU"
 
     def __init__(self, num_classes: int, batch_size: int = 16, ignore_index: int = -100, collate_fn=None):
         self.num_classes, self.batch_size, self.ignore_index = num_classes, batch_size, ignore_index

@@ -35,6 +35,11 @@ def named_tests(test_dataset, metric_fn: MetricFn) -> dict[str, tuple[object, Me
     return out
 
 
+def metric_name(metric: MetricFn) -> str:
+    """What a metric measures, for tables and model cards ("top-1 accuracy", "BLEU", "mIoU", ...)."""
+    return getattr(metric, "name", None) or getattr(metric, "__name__", None) or type(metric).__name__
+
+
 def measure(metric: MetricFn, model: nn.Module, dataset) -> tuple[float, dict | None]:
     """``(value, details or None)`` of ``metric`` on ``dataset``, evaluating once."""
     if hasattr(metric, "details"):
@@ -51,8 +56,9 @@ class MeanOverSets:
     per-corruption and per-severity means in ``details``.
     """
 
-    def __init__(self, metric: MetricFn):
+    def __init__(self, metric: MetricFn, name: str | None = None):
         self.metric = metric
+        self.name = name or f"OOD {metric_name(metric)}"
 
     def details(self, model: nn.Module, datasets: Mapping) -> dict:
         values = {key: float(self.metric(model, d)) for key, d in datasets.items()}

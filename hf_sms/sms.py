@@ -24,9 +24,11 @@ from .data import split_validation
 from .diagnostics import diversity, log_diversity
 from .distributed import ReplicaWorld
 from .evaluation import MetricFn, theoretical_speedup
-from .evaluators import measure, named_tests
+from .evaluators import measure, metric_name, named_tests
+from .hub import card_metrics
 from .merge import MERGE_METHODS, check_same_masks
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
+from .pruning_methods import PRUNING_METHODS, empty_step
 from .results import save_results
 from .run_directory import FINAL_SOUP, RESULTS_FILE, RunDirectory, config_fingerprint, data_hash, model_hash
 from .seeding import derive_seed
@@ -88,7 +90,13 @@ class SparseModelSoup:
         # The ensemble diagnostic needs a test set scored with the selection metric.
         self.test_dataset = next((d for d, m in self.tests.values() if m is metric_fn), None)
         self.metric_fn, self.processing_class, self.model_card = metric_fn, processing_class, model_card or {}
-        self.trainer_kwargs = {"data_collator": data_collator, "callbacks": callbacks}
+        self.kwargs = {
+            "data_collator": data_collator,
+            "compute_loss_func": compute_loss_func,
+            "callbacks": callbacks,
+            "processing_class": processing_class,
+        }  # what a nested run (BIMP's cycles) needs again
+        self.trainer_kwargs = {"data_collator": data_collator, "callbacks": list(callbacks or [])}
         if compute_loss_func is not None:
             self.trainer_kwargs["compute_loss_func"] = compute_loss_func
         self.collate = data_collator or default_data_collator
@@ -111,8 +119,11 @@ class SparseModelSoup:
         try:
             self.world.barrier()  # every rank waits until the main process has checked the directory
             self.results["dense"] = self._measure(self.pretrained)  # the paper's "unpruned" column
-            soups = {method: self.run_trajectory(method) for method in a.merge_methods}
-            self.final_soup = soups[a.merge_methods[0]]
+            if a.pruning_method != "imp":  # pruning during training: GMP, DPF, BIMP, each +SMS
+                self.final_soup = PRUNING_METHODS[a.pruning_method](self)
+            else:
+                soups = {method: self.run_trajectory(method) for method in a.merge_methods}
+                self.final_soup = soups[a.merge_methods[0]]
             for name in a.baselines:
                 BASELINES[name](self)
             self._save_results()
@@ -127,20 +138,18 @@ class SparseModelSoup:
                     processing_class=self.processing_class,
                 )
                 if a.push_to_hub:
-                    self.push(soup_dir, metrics)
+                    self.push(soup_dir)
         finally:
             self.run_dir.close()
         return self.final_soup
 
-    def push(self, soup_dir: str, metrics: dict) -> str:
+    def push(self, soup_dir: str) -> str:
         """Upload the final soup with a model card to ``hub_model_id`` (default: the output folder's name)."""
         from .hub import push_to_hub
 
         a = self.args
         repo = a.hub_model_id or os.path.basename(os.path.abspath(a.output_dir))
-        url = push_to_hub(
-            soup_dir, repo, token=a.hub_token, private=a.hub_private_repo, metrics=metrics, **self.model_card
-        )
+        url = push_to_hub(soup_dir, repo, token=a.hub_token, private=a.hub_private_repo, **self.model_card)
         logger.info("[hf-sms] pushed the soup to %s", url)
         return url
 
@@ -149,7 +158,7 @@ class SparseModelSoup:
         a = self.args
         model, masks = copy.deepcopy(self.pretrained), None
         for p, sparsity in enumerate(self.results["phases"]):
-            self._phase_start = time.perf_counter()
+            self.phase_start = time.perf_counter()
             step = prune(model, sparsity, a.allocation, masks, self.world.broadcast_masks, self.example)  # Step 1
             masks = step.masks
             hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
@@ -159,9 +168,9 @@ class SparseModelSoup:
                 i: self.recalibrate(self.train_replica(model, step, hparams[i], f"{folder}/replica{i}"))
                 for i in self.world.owned(len(hparams))
             }
-            val = self._gather_metric(candidates, self.eval_dataset)
+            val = self.gather_metric(candidates, self.eval_dataset)
             model, kept = self.merge(method, model, candidates, val)  # Step 3: one model with the same mask
-            self._record_sms(method, p, sparsity, candidates, val, model, kept)
+            self.record_sms(method, p, sparsity, candidates, val, model, kept)
         return model
 
     def recipe(self) -> dict:
@@ -180,8 +189,20 @@ class SparseModelSoup:
         }
 
     def final_metrics(self) -> dict:
-        row = self.results["rows"][f"sms_{self.args.merge_methods[0]}"][-1]
-        return {k: row[k] for k in ("val", "test", "speedup") if row.get(k) is not None}
+        """What the final soup's ``sparsity.json`` and model card report: every evaluation of the soup beside the
+        dense model, each with its metric's name and split (see :func:`hf_sms.hub.card_metrics`)."""
+        rows = self.results["rows"]
+        row = rows.get(f"sms_{self.args.merge_methods[0]}", rows.get(self.args.pruning_method, [{}]))[-1]
+        results = []
+        for model, measured in (("soup", row), ("dense", self.results.get("dense", {}))):
+            evaluations = [("validation", measured.get("val"), self.metric_fn)]
+            evaluations += [(name, measured.get("tests", {}).get(name), m) for name, (_, m) in self.tests.items()]
+            results += [
+                {"model": model, "split": split, "metric": metric_name(metric), "value": value}
+                for split, value, metric in evaluations
+                if value is not None
+            ]
+        return card_metrics(results=results, speedup=row.get("speedup"))
 
     def run_imp(self, name: str, n_tracks: int, times_m: bool = False) -> None:
         """IMP (m=1) trajectories, each with its own random stream, in lockstep and parallel like replicas; with
@@ -201,15 +222,18 @@ class SparseModelSoup:
             if n_tracks > 1:
                 template = next(iter(tracks.values()))
                 weights = [1 / n_tracks] * n_tracks
-                average = self.world.average(self._state_dicts(tracks), weights, template.state_dict())
-                reprune = self._load(template, average)
+                average = self.world.average(self.state_dicts(tracks), weights, template.state_dict())
+                reprune = self.load(template, average)
                 prune(reprune, sparsity, args.allocation, None, self.world.broadcast_masks, self.example)
                 self._record("imp_reprune", p, self._measure(self.recalibrate(reprune)))
 
     # -- units of work ---------------------------------------------------------------------------
-    def train_replica(self, start: nn.Module, step: PruningStep, args: SparseSoupConfig, name: str) -> nn.Module:
+    def train_replica(
+        self, start: nn.Module, step: PruningStep, args: SparseSoupConfig, name: str, callbacks=(), **trainer_kwargs
+    ) -> nn.Module:
         """Retrain a copy of ``start`` under ``step.masks`` into the checkpoint folder ``name`` (one that
-        ``load_sparse`` and ``hf-sms merge`` read); a finished replica is loaded, not retrained."""
+        ``load_sparse`` and ``hf-sms merge`` read); a finished replica is loaded, not retrained.
+        ``callbacks`` and ``trainer_kwargs`` go to its :class:`SparseSoupTrainer` (e.g. GMP's pruning)."""
         folder = self.run_dir.path(name)
         model = copy.deepcopy(start)
         if os.path.isfile(os.path.join(folder, SPARSITY_NAME)):  # written last: the replica is complete
@@ -222,7 +246,7 @@ class SparseModelSoup:
                     "replica, or use a fresh --output_dir"
                 ) from e
             return model.train()
-        kept = sum(int(m.sum()) for m in step.masks.values()) / sum(m.numel() for m in step.masks.values())
+        kept = sum(int(m.sum()) for m in step.masks.values()) / max(sum(m.numel() for m in step.masks.values()), 1)
         logger.info(
             "[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s, rank %d/%d)",
             name,
@@ -236,23 +260,38 @@ class SparseModelSoup:
         )
         args = dataclasses.replace(args, output_dir=folder, push_to_hub=False)  # only the final soup is pushed
         group = {"process_group": self.world.subgroup} if self.world.subgroup is not None else {}
+        kwargs = {**self.trainer_kwargs, "callbacks": self.trainer_kwargs["callbacks"] + list(callbacks)}
         trainer = SparseSoupTrainer(
-            model, args, masks=step, train_dataset=self.train_dataset, **group, **self.trainer_kwargs
+            model, args, masks=step, train_dataset=self.train_dataset, **group, **kwargs, **trainer_kwargs
         )
         trainer.train()
         if self.world.is_group_main:
             save_sparse(model, folder, processing_class=self.processing_class)  # atomic, sparsity.json last
         return model
 
+    def train_single(self, start: nn.Module, args: SparseSoupConfig, name: str, callbacks=(), total_steps=None):
+        """One run from ``start`` with no mask given and the original LR schedule (dense pretraining, or GMP/DPF
+        pruning by callback), trained by replica 0's group and then held by every process."""
+        model = {}
+        if 0 in self.world.owned(1):
+            model[0] = self.train_replica(
+                start, empty_step(), args, name, callbacks, lr_schedule="original", total_steps=total_steps
+            )
+        return self.load(start, self.world.average(self.state_dicts(model), [1.0], start.state_dict()))
+
+    def record(self, method: str, phase: int, model: nn.Module) -> None:
+        """A row for ``model`` (sparsity, speedup, validation and every test set)."""
+        self._record(method, phase, self._measure(model))
+
     def merge(self, method: str, template: nn.Module, candidates: dict[int, nn.Module], val: list[float]):
         """``(soup, kept indices)``: the soup of the m candidates, wherever they live, by the registered policy
         ``method``, BatchNorm recalibrated; trial soups are scored on validation only."""
         if candidates:  # across processes the mask is the same by broadcast
             check_same_masks(list(candidates.values()))
-        local, ref = self._state_dicts(candidates), template.state_dict()
+        local, ref = self.state_dicts(candidates), template.state_dict()
 
         def soup(weights: list[float]) -> nn.Module:
-            return self.recalibrate(self._load(template, self.world.average(local, weights, ref)))
+            return self.recalibrate(self.load(template, self.world.average(local, weights, ref)))
 
         weights = MERGE_METHODS[method](val, lambda w: self.evaluate(soup(w), self.eval_dataset), self.args)
         return soup(weights), [i for i, w in enumerate(weights) if w]
@@ -270,16 +309,16 @@ class SparseModelSoup:
 
     # -- bookkeeping -----------------------------------------------------------------------------
     @staticmethod
-    def _load(template: nn.Module, state_dict: dict) -> nn.Module:
+    def load(template: nn.Module, state_dict: dict) -> nn.Module:
         model = copy.deepcopy(template)
         model.load_state_dict(state_dict)
         return model
 
     @staticmethod
-    def _state_dicts(models: dict[int, nn.Module]) -> dict[int, dict]:
+    def state_dicts(models: dict[int, nn.Module]) -> dict[int, dict]:
         return {i: m.state_dict() for i, m in models.items()}
 
-    def _gather_metric(self, models: dict[int, nn.Module], dataset) -> list[float | None]:
+    def gather_metric(self, models: dict[int, nn.Module], dataset) -> list[float | None]:
         scores = self.world.gather({i: self.evaluate(m, dataset) for i, m in models.items()})
         return [scores[i] for i in range(len(scores))]
 
@@ -317,7 +356,7 @@ class SparseModelSoup:
                 _fmt(row["test"]),
             )
 
-    def _record_sms(self, method: str, p: int, sparsity: float, cands: dict, val: list, soup, kept: list) -> None:
+    def record_sms(self, method: str, p: int, sparsity: float, cands: dict, val: list, soup, kept: list) -> None:
         scores = self.world.gather({i: self._test_scores(c)["tests"] for i, c in cands.items()})
         tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
         test = next(iter(tests.values()), [None] * len(val))
@@ -339,7 +378,7 @@ class SparseModelSoup:
             "candidates_test": test,
             "pairwise_l2": self.world.pairwise_l2(cands, len(val), numel),
             **diversity(self.metric_fn, self.world, cands, val, self.eval_dataset, self.test_dataset),
-            "seconds": round(time.perf_counter() - self._phase_start, 3),
+            "seconds": round(time.perf_counter() - self.phase_start, 3),
         }
         self.results["sms"].append(diag)
         if self.world.is_main and primary:

@@ -1,4 +1,5 @@
-"""Model cards are valid YAML + Markdown; push_to_hub reaches the HTTP calls and never leaks the token."""
+"""Model cards are valid YAML + Markdown that name every metric and split, parse with huggingface_hub's own
+model-index reader and never contradict themselves; push_to_hub reaches the HTTP calls and never leaks the token."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import yaml
 from conftest import make_resnet, make_t5
 
 from hf_sms import apply_masks, compute_masks, push_to_hub, save_sparse
-from hf_sms.hub import model_card
+from hf_sms.hub import SPEEDUP, card_metrics, model_card
 
 RECIPE = {
     "phases": [
@@ -65,6 +66,121 @@ def test_model_card_for_dense_timm_needs_no_hf_sms(tmp_path):
     assert "not measured" in body
 
 
+# A T5 soup as the paper reports it: BLEU on two splits, the dense model and IMP beside the soup.
+T5_RESULTS = [
+    {"model": "soup", "split": "validation", "metric": "BLEU", "value": 19.57},
+    {"model": "soup", "split": "test", "metric": "BLEU", "value": 18.95},
+    {"model": "dense", "split": "test", "metric": "BLEU", "value": 20.1},
+    {"model": "imp", "split": "test", "metric": "BLEU", "value": 18.2},
+]
+T5_RECIPE = {"phases": [0.5, 0.75, 0.9], "m": [3, 3, 3], "merge_method": "uniform"}
+
+
+@pytest.fixture
+def t5_dir(tmp_path):
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.9, "uniform"))
+    return save_sparse(model, str(tmp_path / "t5"), recipe=T5_RECIPE)
+
+
+def _speedup_lines(card: str) -> list[str]:
+    return [line for line in card.splitlines() if "speedup" in line.lower()]
+
+
+def test_model_card_names_metric_and_split_and_parses_on_the_hub(t5_dir):
+    from huggingface_hub import ModelCard
+    from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
+
+    card = model_card(t5_dir, "me/t5-sms", datasets=["wmt16"], results=T5_RESULTS, speedup=3.715)
+    meta, body = _front_matter(card)
+    assert meta["metrics"] == ["bleu"]  # metric types, never split names
+    name, results = model_index_to_eval_results(meta["model-index"])
+    assert name == "me/t5-sms" and eval_results_to_model_index(name, results) == meta["model-index"]
+    parsed = ModelCard(card).data  # huggingface_hub's own parser and validation
+    assert parsed.model_name == "me/t5-sms"
+    got = [
+        (r.task_type, r.dataset_type, r.dataset_split, r.metric_type, r.metric_name, r.metric_value)
+        for r in parsed.eval_results
+    ]
+    assert got == [  # the soup's rows only
+        ("translation", "wmt16", "validation", "bleu", "BLEU", 19.57),
+        ("translation", "wmt16", "test", "bleu", "BLEU", 18.95),
+    ]
+    assert "| split | metric | dense | soup | imp |" in body
+    assert "| test | BLEU | 20.1 | 18.95 | 18.2 |" in body and "| validation | BLEU |  | 19.57 |  |" in body
+    assert "| phase | sparsity |" in body and "| 3 | 90.00% |" in body
+    # The speedup is stated once, as theoretical, and nothing says it is unknown.
+    (line,) = _speedup_lines(card)
+    assert line.startswith(f"- {SPEEDUP}: **3.715x** over the dense model.")
+    assert card.count("3.715") == 1 and "not measured" not in card
+
+
+def test_model_card_reads_results_and_speedup_from_sparsity_json(t5_dir, tmp_path):
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.9, "uniform"))
+    stored = save_sparse(
+        model, str(tmp_path / "stored"), recipe=T5_RECIPE, metrics=card_metrics(T5_RESULTS, speedup=3.715)
+    )
+    given = model_card(t5_dir, "me/t5-sms", datasets=["wmt16"], results=T5_RESULTS, speedup=3.715)
+    assert model_card(stored, "me/t5-sms", datasets=["wmt16"]) == given
+    # an argument overrides the stored value it names and keeps the others
+    overridden = model_card(stored, "me/t5-sms", datasets=["wmt16"], speedup=2.0)
+    assert (
+        "**2x**" in overridden and "3.715" not in overridden and "| test | BLEU | 20.1 | 18.95 | 18.2 |" in overridden
+    )
+
+
+def test_unknown_speedup_is_said_once_and_never_shown(t5_dir):
+    card = model_card(t5_dir, "me/t5-sms", results=T5_RESULTS)
+    assert len(_speedup_lines(card)) == 1 and card.count("not measured") == 1
+    assert "x**" not in card
+    meta, _ = _front_matter(card)
+    assert "model-index" not in meta  # no dataset known: the Hub requires one, so nothing is indexed
+
+
+def test_flat_metrics_still_work_and_their_speedup_is_not_a_metric(t5_dir):
+    card = model_card(t5_dir, "me/t5-sms", metrics={"BLEU": 18.95, "speedup": 3.715})
+    meta, body = _front_matter(card)
+    assert meta["metrics"] == ["bleu"] and "| - | BLEU | 18.95 |" in body
+    assert len(_speedup_lines(card)) == 1 and card.count("3.715") == 1 and "not measured" not in card
+
+
+def test_fairness_and_ood_rows_name_their_dataset_and_task(t5_dir):
+    rows = [
+        {"model": "soup", "split": "test", "metric": "worst-group recall", "value": 71.2, "dataset": "celeba"},
+        {"model": "soup", "split": "test", "metric": "top-1 accuracy", "value": 94.0, "dataset": "celeba"},
+        {"model": "soup", "split": "corruptions", "metric": "OOD accuracy", "value": 51.0, "dataset": "cifar100_c"},
+        {"model": "soup", "split": "val", "metric": "mIoU", "value": 70.0, "dataset": "cityscapes"},
+    ]
+    meta, _ = _front_matter(model_card(t5_dir, "me/x", results=rows))
+    assert meta["metrics"] == ["recall", "accuracy", "mean_iou"]
+    index = meta["model-index"][0]["results"]
+    assert [(r["task"]["type"], r["dataset"]["type"], r["dataset"]["split"]) for r in index] == [
+        ("image-classification", "celeba", "test"),
+        ("image-classification", "cifar100_c", "corruptions"),
+        ("image-segmentation", "cityscapes", "val"),
+    ]
+    assert [m["name"] for m in index[0]["metrics"]] == ["worst-group recall", "top-1 accuracy"]
+
+
+def test_card_inputs_are_checked(t5_dir):
+    with pytest.raises(TypeError, match="theoretical speedup, a number"):
+        model_card(t5_dir, speedup="fast")
+    with pytest.raises(ValueError, match="speedup="):
+        model_card(t5_dir, results=[{"split": "test", "metric": "speedup", "value": 2.0}])
+    with pytest.raises(ValueError, match="needs a number"):
+        model_card(t5_dir, results=[{"split": "test", "metric": "BLEU", "value": "high"}])
+
+
+def test_older_flat_records_in_sparsity_json_give_their_numbers(tmp_path):
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.9, "uniform"))
+    folder = save_sparse(model, str(tmp_path / "old"), metrics={"val": 19.57, "speedup": 3.715, "note": "by hand"})
+    meta, body = _front_matter(model_card(folder, "me/t5"))
+    assert meta["metrics"] == ["val"] and "| - | val | 19.57 |" in body and "by hand" not in body
+    assert body.count("3.715") == 1 and "not measured" not in body
+
+
 def test_model_card_requires_a_sparse_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="sparsity.json"):
         model_card(str(tmp_path))
@@ -107,6 +223,10 @@ def test_push_model_saves_to_a_temporary_folder(caplog, capsys):
         import os
 
         seen["files"] = sorted(os.listdir(kwargs["folder_path"]))
+        with open(os.path.join(kwargs["folder_path"], "README.md")) as f:
+            seen["card"] = f.read()
+        with open(os.path.join(kwargs["folder_path"], "sparsity.json")) as f:
+            seen["metrics"] = json.load(f)["metrics"]
         seen["folder"] = kwargs["folder_path"]
         return SimpleNamespace(commit_url="https://huggingface.co/me/r/commit/1")
 
@@ -114,6 +234,8 @@ def test_push_model_saves_to_a_temporary_folder(caplog, capsys):
     with create, mock.patch("huggingface_hub.HfApi.upload_folder", fake_upload):
         push_to_hub(model, "me/r", token=TOKEN, recipe=RECIPE, metrics={"accuracy": 0.5})
     assert {"README.md", "config.json", "model.safetensors", "sparsity.json"} <= set(seen["files"])
+    assert seen["metrics"]["results"] == [{"model": "soup", "split": None, "metric": "accuracy", "value": 0.5}]
+    assert "| - | accuracy | 0.5 |" in seen["card"]
     import os
 
     assert not os.path.exists(seen["folder"])  # the temporary folder is cleaned up

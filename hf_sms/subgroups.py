@@ -1,0 +1,197 @@
+"""Subgroup recall: the paper's fairness evaluation (CelebA, Male/Female x Blond/Non-blond).
+
+A subgroup is a pair (group attribute, true class); its recall is the % of its examples predicted as
+their true class. Pruning tends to hurt the rare subgroups (blond men) most, and SMS hurts them less than
+IMP, so the worst-group recall is the score: what selection maximises when fairness is the goal.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable, Hashable, Mapping
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import default_data_collator
+
+from .evaluation import predict_proba
+
+
+def _plain(value) -> Hashable:
+    """A group or class value as a plain Python scalar (tensors and numpy scalars are not usable as keys)."""
+    return value.item() if hasattr(value, "item") else value
+
+
+class _SplitGroups:
+    """A collate function that takes the group attribute out of every item before the inner collate.
+
+    The model never sees the group (its forward does not take it), and the inner collate never has to
+    handle it (``default_data_collator`` silently drops string values). The groups of every batch are
+    appended to ``groups`` in loader order, so one pass over the data gives predictions and groups.
+    """
+
+    def __init__(self, key: str, inner: Callable):
+        self.key, self.inner, self.groups = key, inner, []
+
+    def __call__(self, items: list) -> dict:
+        if not all(isinstance(item, Mapping) and self.key in item for item in items):
+            raise ValueError(f"subgroup metrics need dict items with a {self.key!r} key (the group attribute)")
+        self.groups += [_plain(item[self.key]) for item in items]
+        return self.inner([{k: v for k, v in item.items() if k != self.key} for item in items])
+
+
+def subgroup_recall(
+    predicted: torch.Tensor, labels: torch.Tensor, groups: list, group_names=None, class_names=None, group_key="group"
+) -> dict:
+    """Recall of every (group, true class) subgroup present in the data.
+
+    Args:
+        predicted: predicted class per example, shape ``(N,)``.
+        labels: true class per example, shape ``(N,)``.
+        groups: group attribute per example (any hashable values), length ``N``.
+        group_names, class_names: optional readable names of group and class values.
+        group_key: the group attribute's name, used in default subgroup names (``"group=1,class=0"``).
+
+    Returns:
+        ``{"value", "worst_group_recall", "worst_group", "mean_recall", "per_group", "counts"}``, recalls
+        in %; ``value`` is the worst-group recall (the score the SMS loop records).
+    """
+    if not (len(predicted) == len(labels) == len(groups)):
+        raise ValueError(f"{len(predicted)} predictions, {len(labels)} labels and {len(groups)} groups differ")
+    hits: dict[tuple, list[int]] = {}
+    for p, y, g in zip(predicted.tolist(), labels.tolist(), groups, strict=True):
+        hits.setdefault((g, y), []).append(int(p == y))
+    try:
+        keys = sorted(hits)
+    except TypeError:  # group values of mixed types do not sort; first-seen order is still deterministic
+        keys = list(hits)
+    group_names, class_names = group_names or {}, class_names or {}
+
+    def name(g, y) -> str:
+        group = group_names[g] if g in group_names else f"{group_key}={g}"
+        return f"{group},{class_names[y] if y in class_names else f'class={y}'}"
+
+    per_group = {name(*k): 100.0 * sum(hits[k]) / len(hits[k]) for k in keys}
+    if not per_group:
+        raise ValueError("no examples to compute subgroup recall on")
+    worst = min(per_group, key=per_group.get)
+    return {
+        "value": per_group[worst],
+        "worst_group_recall": per_group[worst],
+        "worst_group": worst,
+        "mean_recall": sum(per_group.values()) / len(per_group),
+        "per_group": per_group,
+        "counts": {name(*k): len(hits[k]) for k in keys},
+    }
+
+
+class SubgroupRecall:
+    """Worst-group recall in % as a metric for the SMS loop: ``metric(model, dataset) -> float``.
+
+    Items are dicts with ``labels`` (the class) and a group attribute under ``group_key``; the attribute is
+    removed before the forward pass. ``details`` gives every subgroup's recall, and ``predict`` / ``score``
+    let the loop score the replicas' prediction ensemble, as :class:`~hf_sms.evaluation.ClassificationAccuracy`.
+
+    Args:
+        group_key: the item key of the group attribute (e.g. ``"group"``: 0 female, 1 male).
+        batch_size: evaluation batch size.
+        collate_fn: the collate of the remaining keys; ``default_data_collator`` by default.
+        group_names: readable names of group values, e.g. ``{0: "female", 1: "male"}``.
+        class_names: readable names of classes, e.g. ``{0: "non-blond", 1: "blond"}``.
+    """
+
+    name = "worst-group recall"
+
+    def __init__(
+        self,
+        group_key: str = "group",
+        batch_size: int = 256,
+        collate_fn=None,
+        group_names: dict | None = None,
+        class_names: dict | None = None,
+    ):
+        self.group_key, self.batch_size, self.collate_fn = group_key, batch_size, collate_fn or default_data_collator
+        self.group_names, self.class_names = group_names, class_names
+
+    def _predict(self, model: nn.Module, dataset) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """Probabilities, labels and groups in one pass over ``dataset``."""
+        collate = _SplitGroups(self.group_key, self.collate_fn)
+        probs, labels = predict_proba(model, dataset, self.batch_size, collate)
+        return probs, labels, collate.groups
+
+    def _labels_and_groups(self, dataset) -> tuple[torch.Tensor, list]:
+        collate = _SplitGroups(self.group_key, self.collate_fn)
+        labels = torch.cat([batch["labels"] for batch in DataLoader(dataset, self.batch_size, collate_fn=collate)])
+        return labels, collate.groups
+
+    def _summary(self, probs: torch.Tensor, labels: torch.Tensor, groups: list) -> dict:
+        return subgroup_recall(probs.argmax(-1), labels, groups, self.group_names, self.class_names, self.group_key)
+
+    def details(self, model: nn.Module, dataset) -> dict:
+        """Per-subgroup recalls, their mean and the worst one (see :func:`subgroup_recall`)."""
+        return self._summary(*self._predict(model, dataset))
+
+    def predict(self, model: nn.Module, dataset) -> torch.Tensor:
+        """Class probabilities ``(N, C)``, for the prediction-ensemble diagnostic."""
+        return self._predict(model, dataset)[0]
+
+    def score(self, probs: torch.Tensor, dataset) -> float:
+        """Worst-group recall of given probabilities (e.g. the replicas' mean) on ``dataset``."""
+        return self._summary(probs, *self._labels_and_groups(dataset))["value"]
+
+    def __call__(self, model: nn.Module, dataset) -> float:
+        return self.details(model, dataset)["value"]
+
+
+# -- CelebA -------------------------------------------------------------------------------------------
+
+CELEBA_NAMES = {"group_names": {0: "female", 1: "male"}, "class_names": {0: "non-blond", 1: "blond"}}
+
+
+def binary_attribute(value) -> int:
+    """A CelebA attribute as 0/1, whichever way it is stored: -1/1 (the original files), 0/1, or a boolean.
+
+    Args:
+        value: a bool, a number, a string of one (``"-1"``, ``"1"``, ``"True"``), a tensor or numpy scalar.
+
+    Returns:
+        1 if the attribute is present, else 0.
+    """
+    value = _plain(value)
+    if isinstance(value, str):  # CSV cells, or booleans written out as text
+        value = {"true": 1, "false": 0, "1": 1, "0": 0, "-1": -1}.get(value.strip().lower(), value)
+    if isinstance(value, str) or value not in (-1, 0, 1):  # True == 1 and False == 0, so booleans pass
+        raise ValueError(f"a CelebA attribute is -1/1, 0/1 or a boolean, got {value!r}")
+    return int(value == 1)
+
+
+def celeba_blond_by_gender(example: Mapping) -> dict:
+    """``{"labels": Blond_Hair, "group": Male}`` (both 0/1) of a CelebA example with attribute columns.
+
+    Fits ``datasets.Dataset.map``, which keeps the other columns (the image).
+
+    Args:
+        example: a row with ``Blond_Hair`` and ``Male`` columns (-1/1, 0/1 or booleans).
+
+    Returns:
+        The class (1 blond) and the group (1 male).
+    """
+    return {"labels": binary_attribute(example["Blond_Hair"]), "group": binary_attribute(example["Male"])}
+
+
+def read_celeba_attributes(csv_path: str) -> dict[str, dict]:
+    """The blond-by-gender labels of every image in CelebA's ``list_attr_celeba.csv``.
+
+    Args:
+        csv_path: the CSV with an ``image_id`` column and the 40 attribute columns (-1/1).
+
+    Returns:
+        ``{image_id: {"labels": Blond_Hair, "group": Male}}`` with 0/1 values.
+    """
+    with open(csv_path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"image_id", "Blond_Hair", "Male"} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{csv_path} lacks the columns {sorted(missing)}; expected list_attr_celeba.csv")
+        return {row["image_id"]: celeba_blond_by_gender(row) for row in reader}
