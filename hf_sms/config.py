@@ -210,7 +210,8 @@ class SparseSoupConfig(TrainingArguments):
             raise ValueError(f"retrain_warmup_fraction must be in [0, 1), got {self.retrain_warmup_fraction}")
         if not 0.0 < self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
-        if self.retrain_schedule in ("lrw", "slr", "allr") and not self.pretrain_epochs:
+        known_length = self.pretrain_epochs or (self.pruning_method == "bimp" and self.bimp_pretrain_epochs)
+        if self.retrain_schedule in ("lrw", "slr", "allr") and not known_length:
             raise ValueError(
                 f"retrain_schedule={self.retrain_schedule!r} needs the original training's length: set "
                 "pretrain_epochs (e.g. --pretrain_epochs 90), or use retrain_schedule='llr'"

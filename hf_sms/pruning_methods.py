@@ -73,6 +73,7 @@ def _gradual(runner, feedback: bool) -> nn.Module:
     plain = _single(a, max_steps=split, seed=derive_seed(a.seed, name, 0, 0))
     model = runner.train_single(runner.pretrained, plain, f"{name}/plain", callbacks=[callback], total_steps=total)
     if not sms:
+        model = runner.recalibrate(model)  # as every soup is, so that comparisons are fair (docs/method.md §5)
         runner.record(name, len(runner.results["phases"]) - 1, model)
         return model
     masks = None if feedback else masks_from_model(model)
@@ -151,8 +152,9 @@ def bimp(runner) -> nn.Module:
 
 
 def _single(args, **fields):
-    """The config of one training run inside a method (no nested method or SMS fields left to validate)."""
-    return dataclasses.replace(args, pruning_method="imp", sms_start_epoch=None, **fields)
+    """The config of one run inside a method: the original LR schedule, no nested method or SMS fields."""
+    fixed = {"pruning_method": "imp", "sms_start_epoch": None, "lr_schedule": "original", "retrain_schedule": "llr"}
+    return dataclasses.replace(args, **fixed, **fields)
 
 
 def _sms_start_step(runner, total: int) -> int:
