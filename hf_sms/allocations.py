@@ -15,19 +15,11 @@ from collections.abc import Callable
 import torch
 
 from .prunable import Masks, PrunableTensor, filter_index, first_use, last_use, per_filter_sum
+from .registry import registrar
 
 Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
 ALLOCATIONS: dict[str, Allocation] = {}
-
-
-def register_allocation(name: str):
-    def deco(fn: Allocation) -> Allocation:
-        if name in ALLOCATIONS:
-            raise ValueError(f"allocation {name!r} is already registered")
-        ALLOCATIONS[name] = fn
-        return fn
-
-    return deco
+register_allocation = registrar(ALLOCATIONS, "allocation")
 
 
 def _masked_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

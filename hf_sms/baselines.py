@@ -5,17 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .registry import registrar
+
 BASELINES: dict[str, Callable] = {}
-
-
-def register_baseline(name: str):
-    def deco(fn: Callable) -> Callable:
-        if name in BASELINES:
-            raise ValueError(f"baseline {name!r} is already registered")
-        BASELINES[name] = fn
-        return fn
-
-    return deco
+register_baseline = registrar(BASELINES, "baseline")
 
 
 @register_baseline("imp")

@@ -25,7 +25,10 @@ class SparseSoupConfig(TrainingArguments):
         retrain_schedule, pretrain_learning_rate, pretrain_min_learning_rate, pretrain_schedule,
         pretrain_epochs, retrain_warmup_fraction (``warmup_steps``, if set, takes precedence),
         decay_all_parameters. ``num_train_epochs`` / ``max_steps`` set the retraining length R per phase.
-        ``lr_scheduler_type`` is ignored: the retraining schedule owns the LR.
+        ``lr_scheduler_type`` is used only with ``lr_schedule="original"`` (GMP, DPF, BIMP's pretraining).
+    Parameters that control pruning during training (docs/method.md §7):
+        pruning_method ("imp", "gmp", "dpf", "bimp"), pruning_steps, dpf_interval, bimp_pretrain_epochs,
+        sms_start_epoch, lr_schedule. For gmp, dpf and bimp ``num_train_epochs`` is the whole budget.
     Parameters that control the soup:
         num_replicas, replicas_per_phase, replica_seeds, replica_weight_decays, replica_learning_rates, replica_epochs,
         merge_methods, greedy_keep_ties, recalibrate_bn, validation_fraction, baselines.

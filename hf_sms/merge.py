@@ -16,24 +16,14 @@ from torch import nn
 from .averaging import average_tensors
 from .prunable import Masks
 from .pruning import apply_masks, compute_masks, masks_from_model
+from .registry import registrar
 
 StateDict = dict[str, torch.Tensor]
 # A soup method is a policy: (validation scores of the m candidates, trial(weights) -> validation score of
 # the soup with those weights, config) -> one weight per candidate (0 leaves a candidate out).
 SoupPolicy = Callable[[Sequence[float], Callable[[list[float]], float], object], list[float]]
 MERGE_METHODS: dict[str, SoupPolicy] = {}
-
-
-def register_merge(name: str):
-    """Register a soup policy under ``name``; it then works everywhere, the SMS loop included."""
-
-    def deco(fn: SoupPolicy) -> SoupPolicy:
-        if name in MERGE_METHODS:
-            raise ValueError(f"merge method {name!r} is already registered")
-        MERGE_METHODS[name] = fn
-        return fn
-
-    return deco
+register_merge = registrar(MERGE_METHODS, "merge method")
 
 
 def indicator_weights(indices: Sequence[int], n: int) -> list[float]:

@@ -23,19 +23,11 @@ from torch import nn
 
 from .during_training import DynamicPruning, GradualPruning, gmp_phases
 from .pruning import PruningStep, apply_masks, compute_masks, masks_from_model, prune
+from .registry import registrar
 from .seeding import derive_seed
 
 PRUNING_METHODS: dict[str, Callable] = {}
-
-
-def register_pruning_method(name: str):
-    def deco(fn: Callable) -> Callable:
-        if name in PRUNING_METHODS:
-            raise ValueError(f"pruning method {name!r} is already registered")
-        PRUNING_METHODS[name] = fn
-        return fn
-
-    return deco
+register_pruning_method = registrar(PRUNING_METHODS, "pruning method")
 
 
 def total_steps(runner) -> int:
