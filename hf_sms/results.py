@@ -79,7 +79,7 @@ def save_results(results: dict | list[dict], path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def test_names(run: dict) -> list[str]:
+def reported_tests(run: dict) -> list[str]:
     """The named test sets a run reports ("test" alone for a run with one unnamed test set)."""
     first = next(iter(run["rows"].values()))[0]
     return list(first.get("tests") or {}) or ["test"]
@@ -93,7 +93,7 @@ def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, y
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    splits = splits or test_names(runs[0])
+    splits = splits or reported_tests(runs[0])
     phases = [100 * s for s in runs[0]["phases"]]
     fig, axes = plt.subplots(1, len(splits), figsize=(6 * len(splits), 4), squeeze=False)
     for ax, split in zip(axes[0], splits):

@@ -1,23 +1,69 @@
-"""What the recipes share: YAML-aware argument parsing, the data arguments and loading, and the end of a run."""
+"""What the recipes share: YAML-aware argument parsing with ``--smoke``, the data arguments and loading, dense
+pretraining, and the end of a run."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import json
+import logging
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import field
 
+import numpy as np
 import torch
 import yaml
 from transformers import HfArgumentParser
 
-from .results import format_table, test_names
+from .checkpoint import SPARSITY_NAME, load_sparse, save_sparse
+from .results import format_table, reported_tests
+from .schedules import PRETRAIN_SHAPES
 from .sms import SparseModelSoup
+from .trainer import SparseSoupTrainer
+
+logger = logging.getLogger("hf_sms")
+
+# What --smoke sets on top of the YAML (flags still override): the whole pipeline on CPU in seconds.
+SMOKE_ARGS = dict(
+    output_dir="smoke-output",
+    use_cpu=True,
+    bf16=False,
+    fp16=False,
+    target_sparsity=0.5,
+    n_phases=2,
+    num_replicas=2,
+    max_steps=2,
+    per_device_train_batch_size=8,
+    per_device_eval_batch_size=8,
+    dataloader_num_workers=0,
+    baselines=["imp", "imp_mx"],
+    push_to_hub=False,
+    disable_tqdm=True,
+    report_to="none",
+    seed=0,
+)
+_EPILOG = (
+    "--config FILE.yaml gives defaults (flags override them). --smoke runs the recipe end to end on CPU with a tiny "
+    "model and tiny data written to a temporary folder (on top of --config, under flags)."
+)
 
 
-def parse_args(*dataclass_types, argv: list[str] | None = None) -> tuple:
-    """``HfArgumentParser`` that also takes ``--config file.yaml``: the YAML gives defaults, flags override."""
-    parser = HfArgumentParser(dataclass_types)
+def parse_args(*dataclass_types, argv: list[str] | None = None, smoke: Callable[[str], dict] | None = None) -> tuple:
+    """``HfArgumentParser`` that also takes ``--config file.yaml`` and ``--smoke``.
+
+    The YAML gives defaults and flags override them. With ``--smoke`` (recipes that pass ``smoke``),
+    ``smoke(folder)`` writes a tiny model and data into a temporary folder (removed at exit) and returns the
+    fields that point at them (``dataset_path``, the model's size, ...); those and :data:`SMOKE_ARGS` override
+    the YAML, and flags still override everything, e.g. ``--smoke --output_dir out``.
+    """
+    parser = HfArgumentParser(dataclass_types, epilog=_EPILOG)
     argv = list(sys.argv[1:] if argv is None else argv)
+    known = {f.name for t in dataclass_types for f in dataclasses.fields(t)}
+    defaults: dict = {}
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
@@ -26,11 +72,18 @@ def parse_args(*dataclass_types, argv: list[str] | None = None) -> tuple:
         del argv[i : i + 2]
         with open(path) as f:
             defaults = yaml.safe_load(f) or {}
-        known = {f.name for t in dataclass_types for f in dataclasses.fields(t)}
         unknown = sorted(set(defaults) - known)
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}; see --help for the accepted fields")
-        parser.set_defaults(**defaults)
+    if "--smoke" in argv:
+        argv.remove("--smoke")
+        if smoke is None:
+            raise ValueError("this script has no --smoke")
+        folder = tempfile.mkdtemp(prefix="hf-sms-smoke-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        overrides = {**SMOKE_ARGS, **smoke(folder)}
+        defaults.update({k: v for k, v in overrides.items() if k in known})
+    parser.set_defaults(**defaults)
     return parser.parse_args_into_dataclasses(args=argv)
 
 
@@ -77,6 +130,10 @@ class DataArguments:
     image_column: str = field(default="image", metadata={"help": "Column of the input images (image recipes)."})
     label_column: str = field(default="label", metadata={"help": "Column of the class labels (classification)."})
     mask_column: str = field(default="mask", metadata={"help": "Column of the label masks (segmentation)."})
+    group_column: str | None = field(
+        default=None,
+        metadata={"help": "Column of a binary group attribute (CelebA: Male): adds a subgroup-recall test set."},
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N train examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N validation examples."})
     max_test_samples: int | None = field(default=None, metadata={"help": "Keep the first N test examples."})
@@ -103,6 +160,53 @@ class DataArguments:
         local = self.dataset_path or self.train_file or self.data_dir
         return [self.dataset_name] if self.dataset_name and not local else []
 
+
+
+@dataclasses.dataclass
+class OODArguments:
+    """Out-of-distribution accuracy: the mean accuracy over corrupted copies of the test set (docs/method.md §8)."""
+
+    ood: bool = field(default=False, metadata={"help": "Report accuracy on corrupted test sets as test set 'ood'."})
+    ood_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "The published CIFAR-10-C / CIFAR-100-C folder (.npy). Without it the corruptions are made on "
+            "the fly with ImageNet-C's parameters (pip install 'hf-sms[ood]'), harsher on 32 px than CIFAR-C's."
+        },
+    )
+    ood_corruptions: list[str] | None = field(
+        default=None, metadata={"help": "Corruptions (default: every .npy in ood_dir, or the 15 of ImageNet-C)."}
+    )
+    ood_severities: list[int] | None = field(default=None, metadata={"help": "Severities (default: 1 2 3 4 5)."})
+    ood_samples: int | None = field(
+        default=None, metadata={"help": "On the fly only: corrupt the first N test images (default: all)."}
+    )
+
+    def test_set(self, raw_test, data: DataArguments, transform: Callable, metric, seed: int = 0) -> tuple:
+        """``({(corruption, severity): dataset}, MeanOverSets(metric))``, a named test set for SparseModelSoup.
+
+        Args:
+            raw_test: the raw test split (read only without ``ood_dir``).
+            data: its columns.
+            transform: the evaluation transform, PIL image to tensor.
+            metric: the accuracy each corrupted set is scored with.
+            seed: seeds the on-the-fly corruptions (each image's own seed derives from it).
+        """
+        from .corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, load_cifar_c
+        from .evaluators import MeanOverSets
+
+        severities = self.ood_severities or SEVERITIES
+        if self.ood_dir:
+            sets = load_cifar_c(self.ood_dir, self.ood_corruptions, severities)
+        else:
+            test = raw_test.select(range(min(self.ood_samples or len(raw_test), len(raw_test))))
+            images = [np.asarray(img.convert("RGB")) for img in test[data.image_column]]
+            sets = {}
+            for name in self.ood_corruptions or CORRUPTIONS:
+                for s in severities:
+                    items = corrupted_dataset(images, test[data.label_column], name, s, seed)
+                    sets[name, s] = np.stack([i["image"] for i in items]), np.array([i["labels"] for i in items])
+        return {key: ArrayImages(x, y, transform) for key, (x, y) in sets.items()}, MeanOverSets(metric)
 
 def load_splits(data: DataArguments):
     """A ``DatasetDict`` from ``save_to_disk`` output, local files, or the Hub (or a builder such as imagefolder)."""
@@ -151,8 +255,180 @@ def stack_collate(items: list[dict]) -> dict:
     return {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0]}
 
 
+class ArrayImages(torch.utils.data.Dataset):
+    """Items ``{"x": transform(PIL image), "labels": int}`` of uint8 ``(N, H, W, 3)`` images and their labels
+    (numpy arrays or memory maps, e.g. the corrupted test sets of :mod:`hf_sms.corruptions`)."""
+
+    def __init__(self, images, labels, transform: Callable):
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        from PIL import Image
+
+        return {"x": self.transform(Image.fromarray(np.asarray(self.images[i]))), "labels": int(self.labels[i])}
+
+
+class _Pretrainer(SparseSoupTrainer):
+    """Dense training whose LR follows ``PRETRAIN_SHAPES[args.pretrain_schedule]`` from ``args.learning_rate``."""
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            shape, lo = PRETRAIN_SHAPES[self.args.pretrain_schedule], self.args.eta_min / self.args.eta_max
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer or self.optimizer, lambda step: shape(step / num_training_steps, 1.0, lo)
+            )
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+
+_PRETRAINING = ("pretrain_epochs", "pretrain_schedule", "learning_rate", "per_device_train_batch_size")
+_PRETRAINING += ("weight_decay", "optim", "optim_args", "seed")
+
+
+def pretrain(model: torch.nn.Module, args, train_dataset, folder: str, **trainer_kwargs) -> torch.nn.Module:
+    """The dense model SMS starts from, trained as the run's ``pretrain_*`` fields describe it, or loaded.
+
+    Trains ``model`` in place for ``args.pretrain_epochs`` epochs from peak LR ``args.eta_max`` along
+    ``PRETRAIN_SHAPES[args.pretrain_schedule]`` (the very shape LRW, SLR and ALLR then assume), with the run's
+    optimizer, batch size and weight decay (the paper retrains with its pretraining's batch size and weight decay),
+    data-parallel over all processes; ``max_steps`` does not apply. The result is saved with ``save_sparse`` to
+    ``folder`` (plain torch models load back with ``load_sparse(folder, model=template)``). A folder that holds a
+    finished pretraining with the same settings is loaded instead; one with other settings is an error.
+
+    Args:
+        model: the freshly initialised model.
+        args: the run's :class:`~hf_sms.SparseSoupConfig`.
+        train_dataset: the (augmented) training split, without the validation examples.
+        folder: where the dense model is saved; keep it outside ``args.output_dir``, which the SMS run owns.
+        **trainer_kwargs: passed to the trainer, e.g. ``data_collator``.
+    """
+    pre = dataclasses.replace(
+        args,
+        output_dir=folder,
+        num_train_epochs=args.pretrain_epochs or 0,
+        max_steps=-1,
+        learning_rate=args.eta_max,
+        push_to_hub=False,
+    )
+    settings = {"pretraining": {k: getattr(pre, k) for k in _PRETRAINING}}
+    if os.path.isfile(os.path.join(folder, SPARSITY_NAME)):
+        with open(os.path.join(folder, SPARSITY_NAME)) as f:
+            saved = json.load(f).get("recipe")
+        if saved != json.loads(json.dumps(settings)):
+            raise ValueError(
+                f"{folder} holds a dense model pretrained with {saved}, not {settings}: delete it, or point "
+                "--dense_dir elsewhere"
+            )
+        logger.info("[hf-sms] dense model: pretrained earlier, loading %s", folder)
+        return load_sparse(folder, model).train()
+    if not args.pretrain_epochs:
+        raise ValueError("pretraining needs its length: set --pretrain_epochs (the paper: 200 for CIFAR)")
+    logger.info("[hf-sms] dense model: pretraining %s epochs into %s", args.pretrain_epochs, folder)
+    trainer = _Pretrainer(model, pre, masks={}, train_dataset=train_dataset, **trainer_kwargs)
+    trainer.train()
+    if trainer.is_world_process_zero():
+        save_sparse(model, folder, recipe=settings)
+    trainer.accelerator.wait_for_everyone()
+    return model
+
+
 def finish(runner: SparseModelSoup) -> None:
     """Print, for every test set, the table of the metric per phase beside the dense model (main process)."""
     if runner.world.is_main:
-        for name in test_names(runner.results):
+        for name in reported_tests(runner.results):
             print(f"\n{name} after each phase:\n" + format_table([runner.results], name), flush=True)
+
+
+# -- tiny data for --smoke, written in the forms users give their own --------------------------------------------
+
+
+def _smoke_images(n: int, size: int = 32, num_classes: int = 4, seed: int = 0) -> tuple[list, list[int]]:
+    """``n`` RGB images whose class ``y`` brightens colour channel ``y`` (class 3 stays dark), and the classes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    labels = [i % num_classes for i in range(n)]
+    images = []
+    for y in labels:
+        pixels = rng.normal(60, 25, (size, size, 3))
+        if y < 3:
+            pixels[..., y] += 140
+        images.append(Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)))
+    return images, labels
+
+
+def smoke_translation(folder: str) -> dict:
+    """JSON-lines pairs ``{"translation": {"en", "de", "ro"}}`` (train, validation, test); the data fields."""
+    files = {}
+    for split, n in (("train", 40), ("validation", 6), ("test", 8)):
+        path = files[f"{split}_file"] = os.path.join(folder, f"{split}.jsonl")
+        with open(path, "w") as f:
+            for i in range(n):
+                pair = {"en": f"the house {i}", "de": f"das Haus {i}", "ro": f"casa {i}"}
+                f.write(json.dumps({"translation": pair}) + "\n")
+    return files
+
+
+def smoke_imagefolder(folder: str) -> dict:
+    """Class subfolders of PNGs in ``train/`` and ``validation/`` (datasets' imagefolder); the data fields."""
+    root = os.path.join(folder, "images")
+    for split, n, seed in (("train", 40, 0), ("validation", 16, 1)):
+        for i, (image, y) in enumerate(zip(*_smoke_images(n, seed=seed))):
+            os.makedirs(os.path.join(root, split, f"class{y}"), exist_ok=True)
+            image.save(os.path.join(root, split, f"class{y}", f"{i}.png"))
+    return {"dataset_name": "imagefolder", "data_dir": root}
+
+
+def smoke_classification(folder: str) -> dict:
+    """A ``DatasetDict`` (train, test) saved with ``save_to_disk``, with the columns of CIFAR-10 (``img``,
+    ``label``), CIFAR-100 (``fine_label``) and CelebA (``image``, ``Blond_Hair``, ``Male``), so that any of their
+    configs runs on it; the data fields."""
+    import datasets
+
+    def split(n: int, seed: int):
+        images, labels = _smoke_images(n, seed=seed)
+        male = np.random.default_rng(seed).random(n) < 0.5
+        classes = datasets.ClassLabel(names=[f"class{c}" for c in range(4)])
+        features = datasets.Features(
+            img=datasets.Image(),
+            image=datasets.Image(),
+            label=classes,
+            fine_label=classes,
+            Blond_Hair=datasets.Value("bool"),
+            Male=datasets.Value("bool"),
+        )
+        columns = dict(img=images, image=images, label=labels, fine_label=labels)
+        columns.update(Blond_Hair=[y >= 2 for y in labels], Male=male.tolist())
+        return datasets.Dataset.from_dict(columns, features=features)
+
+    path = os.path.join(folder, "classification")
+    datasets.DatasetDict(train=split(48, 0), test=split(16, 1)).save_to_disk(path)
+    return {"dataset_path": path}
+
+
+def smoke_segmentation(folder: str) -> dict:
+    """A ``DatasetDict`` (train, validation) of ``image`` and ``mask`` (the bright right half is class 1, one
+    pixel is the ignore label 255) saved with ``save_to_disk``; the data fields."""
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+
+    def split(n: int):
+        images, masks = [], []
+        for _ in range(n):
+            mask = np.zeros((24, 24), dtype=np.uint8)
+            mask[:, 12:], mask[0, 0] = 1, 255
+            pixels = rng.random((24, 24, 3)) * 50 + mask[..., None].clip(0, 1) * 150
+            images.append(Image.fromarray(pixels.astype(np.uint8)))
+            masks.append(Image.fromarray(mask))
+        return datasets.Dataset.from_dict({"image": images, "mask": masks}).cast_column("image", datasets.Image())
+
+    path = os.path.join(folder, "segmentation")
+    datasets.DatasetDict(train=split(8), validation=split(4)).save_to_disk(path)
+    return {"dataset_path": path}

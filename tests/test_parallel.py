@@ -55,7 +55,8 @@ def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
     _run(_cmd(2, "sms_digits.py", out, "--baselines", "imp", "imp_reprune"))
     assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
     par, seq = (json.loads((d / "results.json").read_text()) for d in (out, sequential))
-    assert par["rows"] == seq["rows"]
+    assert par["rows"] == seq["rows"] and par["dense"] == seq["dense"]
+    assert set(par["rows"]["sms_greedy"][-1]["tests"]) == {"test", "ood", "groups"}  # named test sets in parallel
     for p, s in zip(par["sms"], seq["sms"]):
         assert p["candidates_val"] == s["candidates_val"] and p["ensemble_test"] == s["ensemble_test"]
         assert p["pairwise_l2"] == pytest.approx(s["pairwise_l2"], rel=1e-9)

@@ -13,6 +13,8 @@ from hf_sms import SparseSoupConfig, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.evaluators import MeanOverSets
+from hf_sms.subgroups import SubgroupRecall
 
 parser = argparse.ArgumentParser()
 parser.add_argument("output_dir")
@@ -28,6 +30,7 @@ train, val, test = load_digits_splits(seed=0)
 train = TensorDictDataset(train.x[:256], train.labels[:256], train.augment)
 torch.manual_seed(0)
 model = DigitsResNet(width=4)
+accuracy = ClassificationAccuracy()
 args = SparseSoupConfig(
     output_dir=cli.output_dir,
     target_sparsity=0.8,
@@ -44,7 +47,16 @@ args = SparseSoupConfig(
     merge_methods=["greedy"],
     replicas_per_phase=cli.per_phase,
 )
-soup, results = run_sms(model, args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
+noisy = TensorDictDataset(
+    test.x + 0.3 * torch.randn(test.x.shape, generator=torch.Generator().manual_seed(0)), test.labels
+)
+grouped = [{**test[i], "group": i % 2} for i in range(len(test))]
+tests = {  # named test sets reach every row in the parallel path too
+    "test": test,
+    "ood": ({("noise", 1): noisy, ("noise", 2): TensorDictDataset(noisy.x * 2, test.labels)}, MeanOverSets(accuracy)),
+    "groups": (grouped, SubgroupRecall()),
+}
+soup, results = run_sms(model, args, train, accuracy, eval_dataset=val, test_dataset=tests)
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
     save_file(
         {k: v.contiguous() for k, v in soup.state_dict().items()}, os.path.join(cli.output_dir, "soup.safetensors")
