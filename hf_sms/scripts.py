@@ -154,12 +154,20 @@ class DataArguments:
         }
         return dataclasses.replace(self, **filled)
 
+    def subgroup_metric(self, collate_fn: Callable | None = None):
+        """Recall of every (``group_column``, ``label_column``) pair, both binary, e.g. "Male,not Blond_Hair";
+        its score is the worst one (:class:`~hf_sms.subgroups.SubgroupRecall`, items carry ``group``)."""
+        from .subgroups import SubgroupRecall
+
+        group, target = self.group_column, self.label_column
+        names = {"group_names": {0: f"not {group}", 1: group}, "class_names": {0: f"not {target}", 1: target}}
+        return SubgroupRecall(collate_fn=collate_fn, **names)
+
     @property
     def hub_datasets(self) -> list[str]:
         """The Hub dataset the model card names: ``dataset_name`` unless the data is local."""
         local = self.dataset_path or self.train_file or self.data_dir
         return [self.dataset_name] if self.dataset_name and not local else []
-
 
 
 @dataclasses.dataclass
@@ -208,6 +216,7 @@ class OODArguments:
                     sets[name, s] = np.stack([i["image"] for i in items]), np.array([i["labels"] for i in items])
         return {key: ArrayImages(x, y, transform) for key, (x, y) in sets.items()}, MeanOverSets(metric)
 
+
 def load_splits(data: DataArguments):
     """A ``DatasetDict`` from ``save_to_disk`` output, local files, or the Hub (or a builder such as imagefolder)."""
     import datasets
@@ -251,8 +260,12 @@ def prepared_splits(raw, prepare, args, data: DataArguments) -> tuple:
 
 
 def stack_collate(items: list[dict]) -> dict:
-    """Batch items such as ``{"x": tensor, "labels": int or tensor}`` by stacking each key."""
-    return {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0]}
+    """Batch items such as ``{"x": tensor, "labels": int or tensor}`` by stacking each key.
+
+    A ``group`` key (the attribute :class:`~hf_sms.subgroups.SubgroupRecall` reads) is left out: it is never an
+    input of the model.
+    """
+    return {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0] if k != "group"}
 
 
 class ArrayImages(torch.utils.data.Dataset):

@@ -1,28 +1,25 @@
-"""Sparse Model Soups on CIFAR-10/100 and CelebA (the paper's Tables 1 and 7-10): pretraining, then SMS.
+"""Sparse Model Soups on CIFAR-10/100 and CelebA with ResNet-18 and WRN-20: dense pretraining, then SMS.
 
     # ResNet-18 on CIFAR-10: pretrain 200 epochs, then SMS to 98% in 3 phases beside IMP and IMP_3x
     python recipes/cifar.py --config recipes/configs/resnet18_cifar10.yaml
-    # WRN-20 on CIFAR-100, with OOD accuracy on the published CIFAR-100-C (see docs/recipes/cifar.md)
+    # WRN-20 on CIFAR-100 (Table 1), with OOD accuracy on the published CIFAR-100-C
     python recipes/cifar.py --config recipes/configs/wrn20_cifar100.yaml --ood --ood_dir data/CIFAR-100-C
     # CelebA: accuracy and subgroup recall (Blond_Hair x Male), One Shot to 90%
     python recipes/cifar.py --config recipes/configs/resnet18_celeba.yaml
-    # from the dense model of an earlier run; 3 GPUs train the 3 replicas of each phase at once
+    # 3 GPUs train the 3 replicas of each phase at once, from the dense model of an earlier run
     accelerate launch --num_processes 3 recipes/cifar.py --config recipes/configs/resnet18_cifar10.yaml \\
         --model_name_or_path runs/resnet18-cifar10-sms-dense
     python recipes/cifar.py --smoke --output_dir smoke  # a tiny model on tiny data, CPU, seconds
 
-Without ``--model_name_or_path`` the dense model is pretrained first (``hf_sms.scripts.pretrain``: the config's
-``pretrain_*`` fields, which ALLR/LRW/SLR read too) and saved to ``--dense_dir`` (default ``<output_dir>-dense``,
-reused by a rerun). Items reach the model as ``{"x": image tensor, "labels": class}``; soups are selected on
-``validation_fraction`` of train (the evaluation transform), ``--test_split`` is only reported, ``--ood`` adds
-CIFAR-C accuracy and ``--group_column`` worst-group recall as named test sets.
+Without ``--model_name_or_path`` the dense model is pretrained first (``hf_sms.scripts.pretrain``, from the
+``pretrain_*`` fields ALLR reads) into ``--dense_dir``, which a rerun reuses. Soups are selected on
+``validation_fraction`` of train; the test split, ``--ood`` and ``--group_column`` are only reported.
 """
 
 import json
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import timm
 import torch.nn.functional as F
 import torchvision.transforms as T
@@ -30,18 +27,18 @@ from torch import nn
 
 from hf_sms import SparseModelSoup, SparseSoupConfig, load_sparse
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.evaluators import MeanOverSets
 from hf_sms.scripts import (
     DataArguments,
+    OODArguments,
     finish,
     load_splits,
     parse_args,
     prepared_splits,
     pretrain,
     smoke_classification,
+    stack_collate,
 )
-from hf_sms.scripts import ArrayImages, stack_collate
-from hf_sms.subgroups import SubgroupRecall, binary_attribute
+from hf_sms.subgroups import binary_attribute
 
 DATA_DEFAULTS = dict(dataset_name="uoft-cs/cifar10", test_split="test")
 CIFAR10_MEAN, CIFAR10_STD = [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]
@@ -50,23 +47,16 @@ CIFAR10_MEAN, CIFAR10_STD = [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]
 @dataclass
 class ModelArguments:
     model_name: str = field(default="resnet18", metadata={"help": "wrn20, or a timm ResNet (resnet18, resnet34)."})
-    model_kwargs: str | None = field(default=None, metadata={"help": "JSON for timm.create_model."})
+    model_kwargs: str | None = field(default=None, metadata={"help": "timm ResNets: JSON for timm.create_model."})
     cifar_stem: bool = field(default=True, metadata={"help": "timm ResNets: 3x3 stride-1 first conv, no max-pool."})
-    depth: int = field(default=22, metadata={"help": "wrn20: depth 6n+4 (22: the paper's WRN-20, n=3)."})
+    depth: int = field(default=22, metadata={"help": "wrn20: depth 6n+4 (22, n=3: the paper's WRN-20)."})
     widen_factor: int = field(default=10, metadata={"help": "wrn20: width multiplier."})
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Dense model (save_sparse): no pretraining."}
-    )
-    dense_dir: str | None = field(default=None, metadata={"help": "Pretraining's folder (default <output_dir>-dense)."})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "A saved dense model: no pretraining."})
+    dense_dir: str | None = field(default=None, metadata={"help": "Pretraining's folder (<output_dir>-dense)."})
     image_size: int = field(default=32, metadata={"help": "Images are resized and center-cropped to this square."})
-    crop_padding: int = field(default=4, metadata={"help": "Training: random crop with this padding (0: none)."})
+    crop_padding: int = field(default=4, metadata={"help": "Training: random crop with this padding, then flip."})
     mean: list[float] = field(default_factory=lambda: CIFAR10_MEAN, metadata={"help": "Normalisation mean."})
     std: list[float] = field(default_factory=lambda: CIFAR10_STD, metadata={"help": "Normalisation std."})
-    ood: bool = field(default=False, metadata={"help": "Report accuracy on corrupted test sets (CIFAR-C)."})
-    ood_dir: str | None = field(default=None, metadata={"help": "CIFAR-10-C/100-C folder; else made on the fly."})
-    ood_corruptions: list[str] | None = field(default=None, metadata={"help": "Default: all (the 15 on the fly)."})
-    ood_severities: list[int] | None = field(default=None, metadata={"help": "Default: 1 2 3 4 5."})
-    ood_samples: int | None = field(default=None, metadata={"help": "On the fly: corrupt the first N test images."})
 
 
 class WideBlock(nn.Module):
@@ -108,30 +98,21 @@ def build_model(model_args: ModelArguments, num_classes: int) -> nn.Module:
         return WideResNet(num_classes, model_args.depth, model_args.widen_factor)
     kwargs = json.loads(model_args.model_kwargs) if model_args.model_kwargs else {}
     model = timm.create_model(model_args.model_name, pretrained=False, num_classes=num_classes, **kwargs)
-    if model_args.cifar_stem:  # timm rebuilds its ImageNet stem from pretrained_cfg: saved as a plain torch model
-        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
-        model.maxpool = nn.Identity()
+    if model_args.cifar_stem:  # timm would rebuild its ImageNet stem from pretrained_cfg: save as plain torch
+        model.conv1, model.maxpool = nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False), nn.Identity()
         del model.pretrained_cfg, model.default_cfg
     return model
 
 
 def smoke(folder: str) -> dict:
     """--smoke: one narrow block per stage (ResNet) or a width-1 WRN-10, pretrained for one epoch."""
-    resnet = json.dumps({"layers": [1, 1, 1, 1], "channels": [8, 16, 16, 16]})
-    return dict(
-        model_kwargs=resnet,
-        depth=10,
-        widen_factor=1,
-        image_size=32,
-        pretrain_epochs=1,
-        dense_dir=os.path.join(folder, "dense"),
-        ood_corruptions=["gaussian_noise", "fog"],
-        ood_severities=[1, 5],
-        **smoke_classification(folder),
-    )
+    tiny = {"model_kwargs": '{"layers": [1, 1, 1, 1], "channels": [8, 16, 16, 16]}', "depth": 10, "widen_factor": 1}
+    ood = {"ood_corruptions": ["gaussian_noise", "fog"], "ood_severities": [1, 5]}
+    dense = {"image_size": 32, "pretrain_epochs": 1, "dense_dir": os.path.join(folder, "dense")}
+    return {**tiny, **ood, **dense, **smoke_classification(folder)}
 
 
-def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
+def main(model_args: ModelArguments, data_args: DataArguments, ood_args: OODArguments, args: SparseSoupConfig):
     data_args = data_args.with_defaults(**DATA_DEFAULTS)
     raw = load_splits(data_args)
     label = raw["train"].features[data_args.label_column]  # a ClassLabel, else a binary attribute (CelebA)
@@ -140,17 +121,9 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
     size, group = model_args.image_size, data_args.group_column
 
     def transform(training):
-        crop = [T.RandomCrop(size, padding=model_args.crop_padding)] if training and model_args.crop_padding else []
-        flip = [T.RandomHorizontalFlip()] if training else []
-        steps = [
-            T.Resize(size),
-            T.CenterCrop(size),
-            *crop,
-            *flip,
-            T.ToTensor(),
-            T.Normalize(model_args.mean, model_args.std),
-        ]
-        return T.Compose(steps)
+        augment = [T.RandomCrop(size, padding=model_args.crop_padding), T.RandomHorizontalFlip()] if training else []
+        normalize = T.Normalize(model_args.mean, model_args.std)
+        return T.Compose([T.Resize(size), T.CenterCrop(size), *augment, T.ToTensor(), normalize])
 
     def prepare(data, training):
         tf = transform(training)
@@ -162,51 +135,25 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
 
         return data.with_transform(apply)
 
-    def collate(items):  # the group attribute is for the subgroup metric only, never an input of the model
-        return stack_collate([{k: v for k, v in item.items() if k != "group"} for item in items])
-
     train, val, test = prepared_splits(raw, prepare, args, data_args)
     args.remove_unused_columns = False  # the transform makes the columns forward() takes
-    accuracy = ClassificationAccuracy(collate_fn=collate)
-    tests = {"test": test}
-    if group:  # recall of each (group, class) pair, e.g. "Male,not Blond_Hair"; the worst one is the score
-        target = data_args.label_column
-        names = {"group_names": {0: f"not {group}", 1: group}, "class_names": {0: f"not {target}", 1: target}}
-        tests["subgroups"] = (test, SubgroupRecall(collate_fn=stack_collate, **names))
-    if model_args.ood:
-        corrupted = ood_sets(model_args, raw[data_args.test_split], data_args, transform(False), args.seed)
-        tests["ood"] = (corrupted, MeanOverSets(accuracy))
+    accuracy = ClassificationAccuracy(collate_fn=stack_collate)  # stack_collate leaves the group attribute out
+    tests = {"test": test, "subgroups": (test, data_args.subgroup_metric(stack_collate))} if group else {"test": test}
+    if ood_args.ood:
+        tests["ood"] = ood_args.test_set(raw[data_args.test_split], data_args, transform(False), accuracy, args.seed)
     if model_args.model_name_or_path:
         model = load_sparse(model_args.model_name_or_path, model).train()
     else:
         dense_dir = model_args.dense_dir or args.output_dir.rstrip("/") + "-dense"
-        model = pretrain(model, args, train, dense_dir, data_collator=collate)
+        model = pretrain(model, args, train, dense_dir, data_collator=stack_collate)
     card = {"datasets": data_args.hub_datasets}
     runner = SparseModelSoup(
-        model, args, train, accuracy, eval_dataset=val, test_dataset=tests, data_collator=collate, model_card=card
+        model, args, train, accuracy, eval_dataset=val, test_dataset=tests, data_collator=stack_collate, model_card=card
     )
     runner.run()
     finish(runner)
     return runner
 
 
-def ood_sets(model_args: ModelArguments, raw_test, data_args: DataArguments, transform, seed: int) -> dict:
-    """``{(corruption, severity): dataset}``: the published CIFAR-C from ``--ood_dir``, else made on the fly."""
-    from hf_sms.corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, load_cifar_c
-
-    severities = model_args.ood_severities or SEVERITIES
-    if model_args.ood_dir:
-        sets = load_cifar_c(model_args.ood_dir, model_args.ood_corruptions, severities)
-    else:  # ImageNet-C's parameters: harsher on 32 px images than CIFAR-C's own (hf_sms.corruptions)
-        test = raw_test.select(range(min(model_args.ood_samples or len(raw_test), len(raw_test))))
-        images = [np.asarray(img.convert("RGB")) for img in test[data_args.image_column]]
-        sets = {}
-        for c in model_args.ood_corruptions or CORRUPTIONS:
-            for s in severities:
-                items = corrupted_dataset(images, test[data_args.label_column], c, s, seed)
-                sets[c, s] = np.stack([i["image"] for i in items]), np.array([i["labels"] for i in items])
-    return {key: ArrayImages(images, labels, transform) for key, (images, labels) in sets.items()}
-
-
 if __name__ == "__main__":
-    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig, smoke=smoke))
+    main(*parse_args(ModelArguments, DataArguments, OODArguments, SparseSoupConfig, smoke=smoke))

@@ -4,6 +4,7 @@
     accelerate launch recipes/image_classification.py --config recipes/configs/maxvit_imagenet.yaml
     # class subfolders in ./images/train and ./images/validation (reported), read by datasets' imagefolder
     python recipes/image_classification.py --output_dir out --dataset_name imagefolder --data_dir ./images
+    python recipes/image_classification.py --smoke --output_dir smoke  # a tiny ResNet on PNGs, CPU, seconds
 
 Items reach the model as ``{"x": image tensor, "labels": class}``, the argument name of timm's forward.
 Soups are selected on ``validation_fraction`` of the train split (fixed seed) under the evaluation transform;
@@ -19,7 +20,15 @@ import torch
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, stack_collate
+from hf_sms.scripts import (
+    DataArguments,
+    finish,
+    load_splits,
+    parse_args,
+    prepared_splits,
+    smoke_imagefolder,
+    stack_collate,
+)
 
 DATA_DEFAULTS = dict(dataset_name="imagenet-1k", test_split="validation")
 
@@ -34,6 +43,18 @@ class ModelArguments:
     )
     image_size: int | None = field(default=None, metadata={"help": "Input size (default: the model's)."})
     label_smoothing: float = field(default=0.0, metadata={"help": "Label smoothing of the cross-entropy loss."})
+
+
+def smoke(folder: str) -> dict:
+    """--smoke: a ResNet-18 layout with one narrow block per stage, no pretrained weights, on 32 px PNGs."""
+    tiny = json.dumps({"layers": [1, 1, 1, 1], "channels": [8, 16, 16, 16]})
+    return {
+        "model_name": "resnet18",
+        "pretrained": False,
+        "model_kwargs": tiny,
+        "image_size": 32,
+        **smoke_imagefolder(folder),
+    }
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
@@ -87,4 +108,4 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
 
 
 if __name__ == "__main__":
-    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig))
+    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig, smoke=smoke))

@@ -3,6 +3,7 @@
     accelerate launch --num_processes 3 recipes/pspnet_segmentation.py --config recipes/configs/pspnet_cityscapes.yaml
     # a DatasetDict saved with save_to_disk, with `image` and `mask` columns
     python recipes/pspnet_segmentation.py --output_dir out --dataset_path ./my_segmentation --num_classes 19
+    python recipes/pspnet_segmentation.py --smoke --output_dir smoke  # a ResNet-18 PSPNet on 24 px images, CPU
 
 Needs the `seg` extra (``pip install hf-sms[seg]``). Mask pixels equal to ``--ignore_label`` are ignored.
 Soups are selected on ``validation_fraction`` of the train split (fixed seed), not flipped; ``--test_split``
@@ -18,7 +19,15 @@ import torch.nn.functional as F
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import MeanIoU
-from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, stack_collate
+from hf_sms.scripts import (
+    DataArguments,
+    finish,
+    load_splits,
+    parse_args,
+    prepared_splits,
+    smoke_segmentation,
+    stack_collate,
+)
 
 DATA_DEFAULTS = dict(test_split="validation")
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
@@ -32,6 +41,12 @@ class ModelArguments:
     num_classes: int = field(default=19, metadata={"help": "Number of classes (Cityscapes: 19)."})
     crop_size: int = field(default=512, metadata={"help": "Images and masks are resized to this square."})
     ignore_label: int = field(default=255, metadata={"help": "Mask value that the loss and mean IoU ignore."})
+
+
+def smoke(folder: str) -> dict:
+    """--smoke: a PSPNet on a ResNet-18 encoder without pretrained weights, two classes, 32 px crops."""
+    model = {"encoder_name": "resnet18", "encoder_weights": None, "model_path": None, "num_classes": 2}
+    return {**model, "crop_size": 32, **smoke_segmentation(folder)}
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
@@ -78,4 +93,4 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
 
 
 if __name__ == "__main__":
-    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig))
+    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig, smoke=smoke))

@@ -6,19 +6,23 @@ accelerate launch recipes/t5_wmt16.py --config recipes/configs/t5_wmt16.yaml
 accelerate launch --num_processes 3 recipes/t5_wmt16.py --config recipes/configs/t5_wmt16.yaml
 # local JSON-lines files {"translation": {"en": ..., "ro": ...}} instead of the Hub
 python recipes/t5_wmt16.py --output_dir out --train_file train.jsonl --validation_file dev.jsonl --test_file test.jsonl
+# a 1+1-layer T5 over bytes and 40 sentence pairs, end to end on CPU in seconds
+python recipes/t5_wmt16.py --smoke --output_dir smoke
 
 Soups are selected on the dataset's own validation split (WMT16's newstest dev set, `--validation_file`
 locally) and BLEU is reported on its test split. Without one, `validation_fraction` of train is split off.
 The data fields (`hf_sms.scripts.DataArguments`) are shared by all recipes; `DATA_DEFAULTS` fills those left unset.
 """
 
+import os
 from dataclasses import dataclass, field
 
+import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import BleuMetric
-from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits
+from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, smoke_translation
 
 DATA_DEFAULTS = dict(dataset_name="wmt16", dataset_config="ro-en", validation_split="validation", test_split="test")
 
@@ -32,6 +36,18 @@ class ModelArguments:
     max_source_length: int = 128
     max_target_length: int = 128
     num_beams: int = field(default=1, metadata={"help": "Beam width when generating for BLEU."})
+
+
+def smoke(folder: str) -> dict:
+    """--smoke: a 1+1-layer T5 (d_model 16) over ByT5's bytes, saved as a local model, and JSON-lines pairs."""
+    from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+
+    tokenizer, path = ByT5Tokenizer(), os.path.join(folder, "t5")
+    config = T5Config(vocab_size=tokenizer.vocab_size, d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=1)
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return {"model_name_or_path": path, "max_source_length": 32, "max_target_length": 8, **smoke_translation(folder)}
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
@@ -73,4 +89,4 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
 
 
 if __name__ == "__main__":
-    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig))
+    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig, smoke=smoke))
