@@ -31,7 +31,6 @@ from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
 from .pruning_methods import PRUNING_METHODS, empty_step
 from .results import save_results
 from .run_directory import FINAL_SOUP, RESULTS_FILE, RunDirectory, config_fingerprint, data_hash, model_hash
-from .seeding import derive_seed
 from .trainer import SparseSoupTrainer
 
 logger = logging.getLogger("hf_sms")
@@ -118,7 +117,7 @@ class SparseModelSoup:
         self.run_dir.open()
         try:
             self.world.barrier()  # every rank waits until the main process has checked the directory
-            self.results["dense"] = self._measure(self.pretrained)  # the paper's "unpruned" column
+            self.results["dense"] = self.measure(self.pretrained)  # the paper's "unpruned" column
             if a.pruning_method != "imp":  # pruning during training: GMP, DPF, BIMP, each +SMS
                 self.final_soup = PRUNING_METHODS[a.pruning_method](self)
             else:
@@ -204,29 +203,6 @@ class SparseModelSoup:
             ]
         return card_metrics(results=results, speedup=row.get("speedup"))
 
-    def run_imp(self, name: str, n_tracks: int, times_m: bool = False) -> None:
-        """IMP (m=1) trajectories, each with its own random stream, in lockstep and parallel like replicas; with
-        several tracks also IMP-RePrune: their average, re-pruned to the phase's sparsity (their masks diverge)."""
-        args = self.args
-        tracks = {i: copy.deepcopy(self.pretrained) for i in self.world.owned(n_tracks)}
-        masks = dict.fromkeys(tracks)
-        for p, sparsity in enumerate(self.results["phases"]):
-            for i in tracks:  # no mask broadcast: IMP runs are independent
-                step = prune(tracks[i], sparsity, args.allocation, masks[i], example_inputs=self.example)
-                masks[i] = step.masks
-                h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))
-                if times_m:  # IMP_mx: the compute SMS spends in this phase, in one replica
-                    h = dataclasses.replace(h, **args.phase_budget(p))
-                tracks[i] = self.recalibrate(self.train_replica(tracks[i], step, h, f"{name}/phase{p + 1}/track{i}"))
-            self._record(name, p, self.world.gather({0: self._measure(tracks[0])} if 0 in tracks else {})[0])
-            if n_tracks > 1:
-                template = next(iter(tracks.values()))
-                weights = [1 / n_tracks] * n_tracks
-                average = self.world.average(self.state_dicts(tracks), weights, template.state_dict())
-                reprune = self.load(template, average)
-                prune(reprune, sparsity, args.allocation, None, self.world.broadcast_masks, self.example)
-                self._record("imp_reprune", p, self._measure(self.recalibrate(reprune)))
-
     # -- units of work ---------------------------------------------------------------------------
     def train_replica(
         self, start: nn.Module, step: PruningStep, args: SparseSoupConfig, name: str, callbacks=(), **trainer_kwargs
@@ -281,7 +257,7 @@ class SparseModelSoup:
 
     def record(self, method: str, phase: int, model: nn.Module) -> None:
         """A row for ``model`` (sparsity, speedup, validation and every test set)."""
-        self._record(method, phase, self._measure(model))
+        self.record_row(method, phase, self.measure(model))
 
     def merge(self, method: str, template: nn.Module, candidates: dict[int, nn.Module], val: list[float]):
         """``(soup, kept indices)``: the soup of the m candidates, wherever they live, by the registered policy
@@ -327,7 +303,7 @@ class SparseModelSoup:
         """One validation batch: orders layers by call for pruning (uniform+) and measures FLOPs."""
         return next(iter(DataLoader(self.eval_dataset, self.args.per_device_eval_batch_size, collate_fn=self.collate)))
 
-    def _measure(self, model: nn.Module) -> dict:
+    def measure(self, model: nn.Module) -> dict:
         return {
             "sparsity": sparsity_report(model)["sparsity"],
             "speedup": theoretical_speedup(model, self.example),
@@ -343,7 +319,7 @@ class SparseModelSoup:
         details = {name: d for name, (_, d) in measured.items() if d is not None}
         return {**out, "details": details} if details else out
 
-    def _record(self, method: str, phase: int, measured: dict, **extra) -> None:
+    def record_row(self, method: str, phase: int, measured: dict, **extra) -> None:
         row = {"phase": phase + 1, **measured, **extra}
         self.results["rows"].setdefault(method, []).append(row)
         if self.world.is_main:
@@ -360,15 +336,15 @@ class SparseModelSoup:
         scores = self.world.gather({i: self._test_scores(c)["tests"] for i, c in cands.items()})
         tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
         test = next(iter(tests.values()), [None] * len(val))
-        self._record(f"sms_{method}", p, self._measure(soup), kept=kept)
+        self.record_row(f"sms_{method}", p, self.measure(soup), kept=kept)
         primary = method == self.args.merge_methods[0]
         if primary:  # the candidates of the trajectory reported as the final soup
             best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
             same = {k: self.results["rows"][f"sms_{method}"][-1][k] for k in ("sparsity", "speedup")}  # same mask
             picked = {"val": val[best], "test": test[best], "tests": {n: v[best] for n, v in tests.items()}}
-            self._record("best_candidate", p, {**same, **picked}, index=best)
+            self.record_row("best_candidate", p, {**same, **picked}, index=best)
             mean = {"val": _mean(val), "test": _mean(test), "tests": {n: _mean(v) for n, v in tests.items()}}
-            self._record("mean_candidate", p, {**same, **mean})
+            self.record_row("mean_candidate", p, {**same, **mean})
         numel = sum(t.numel() for t in soup.parameters())
         diag = {
             "phase": p + 1,

@@ -43,7 +43,8 @@ def smoke(folder: str) -> dict:
     from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
 
     tokenizer, path = ByT5Tokenizer(), os.path.join(folder, "t5")
-    config = T5Config(vocab_size=tokenizer.vocab_size, d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=1)
+    ids = {"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
+    config = T5Config(vocab_size=tokenizer.vocab_size, d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=1, **ids)
     torch.manual_seed(0)
     T5ForConditionalGeneration(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
