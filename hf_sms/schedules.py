@@ -16,7 +16,9 @@ import torch
 PRETRAIN_SHAPES: dict[str, Callable[[float, float, float], float]] = {
     "linear": lambda u, hi, lo: hi + (lo - hi) * u,
     "cosine": lambda u, hi, lo: lo + (hi - lo) * 0.5 * (1.0 + math.cos(math.pi * u)),
-    "step": lambda u, hi, lo: hi * (1.0 if u < 0.5 else 0.1 if u < 0.75 else 0.01),  # CIFAR/ImageNet style
+    "step": lambda u, hi, lo: hi * (1.0 if u < 0.5 else 0.1 if u < 0.75 else 0.01),  # x0.1 at 50% and 75%
+    # The paper's ResNet-18 / CIFAR-10 pretraining: x0.1 at epochs 90 and 180 of 200.
+    "step_cifar": lambda u, hi, lo: hi * (1.0 if u < 0.45 else 0.1 if u < 0.9 else 0.01),
     "constant": lambda u, hi, lo: hi,
 }
 

@@ -6,9 +6,9 @@
     python recipes/cifar.py --config recipes/configs/wrn20_cifar100.yaml --ood --ood_dir data/CIFAR-100-C
     # CelebA: accuracy and subgroup recall (Blond_Hair x Male), One Shot to 90%
     python recipes/cifar.py --config recipes/configs/resnet18_celeba.yaml
-    # 3 GPUs train the 3 replicas of each phase at once, from the dense model of an earlier run
-    accelerate launch --num_processes 3 recipes/cifar.py --config recipes/configs/resnet18_cifar10.yaml \\
-        --model_name_or_path runs/resnet18-cifar10-sms-dense
+    # 3 GPUs train the 3 replicas of each phase at once, from an earlier run's dense model
+    accelerate launch --num_processes 3 recipes/cifar.py --config recipes/configs/wrn20_cifar100.yaml \\
+        --model_name_or_path runs/wrn20-cifar100-sms-dense --output_dir runs/wrn20-cifar100-sms-3gpu
     python recipes/cifar.py --smoke --output_dir smoke  # a tiny model on tiny data, CPU, seconds
 
 Without ``--model_name_or_path`` the dense model is pretrained first (``hf_sms.scripts.pretrain``, from the
@@ -41,7 +41,6 @@ from hf_sms.scripts import (
 from hf_sms.subgroups import binary_attribute
 
 DATA_DEFAULTS = dict(dataset_name="uoft-cs/cifar10", test_split="test")
-CIFAR10_MEAN, CIFAR10_STD = [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]
 
 
 @dataclass
@@ -55,8 +54,8 @@ class ModelArguments:
     dense_dir: str | None = field(default=None, metadata={"help": "Pretraining's folder (<output_dir>-dense)."})
     image_size: int = field(default=32, metadata={"help": "Images are resized and center-cropped to this square."})
     crop_padding: int = field(default=4, metadata={"help": "Training: random crop with this padding, then flip."})
-    mean: list[float] = field(default_factory=lambda: CIFAR10_MEAN, metadata={"help": "Normalisation mean."})
-    std: list[float] = field(default_factory=lambda: CIFAR10_STD, metadata={"help": "Normalisation std."})
+    mean: list[float] = field(default_factory=lambda: [0.4914, 0.4822, 0.4465], metadata={"help": "Mean (CIFAR-10)."})
+    std: list[float] = field(default_factory=lambda: [0.2470, 0.2435, 0.2616], metadata={"help": "Std (CIFAR-10)."})
 
 
 class WideBlock(nn.Module):

@@ -48,13 +48,8 @@ class ModelArguments:
 def smoke(folder: str) -> dict:
     """--smoke: a ResNet-18 layout with one narrow block per stage, no pretrained weights, on 32 px PNGs."""
     tiny = json.dumps({"layers": [1, 1, 1, 1], "channels": [8, 16, 16, 16]})
-    return {
-        "model_name": "resnet18",
-        "pretrained": False,
-        "model_kwargs": tiny,
-        "image_size": 32,
-        **smoke_imagefolder(folder),
-    }
+    model = {"model_name": "resnet18", "pretrained": False, "model_kwargs": tiny, "image_size": 32}
+    return {**model, **smoke_imagefolder(folder)}
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):

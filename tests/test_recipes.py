@@ -1,4 +1,6 @@
-"""The recipes end to end on tiny models and local files (no Hub): T5, timm ResNet/MaxViT, smp PSPNet."""
+"""The recipes end to end on tiny models and local files (no Hub): T5, timm ResNet/MaxViT, smp PSPNet, and
+ResNet-18 / WRN-20 on CIFAR-shaped data with pretraining, CIFAR-C and subgroups (tests/test_smoke.py runs
+every recipe's --smoke as a subprocess)."""
 
 import dataclasses
 import importlib.util
@@ -8,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_cnn, make_image_dataset
 from PIL import Image
 
-from hf_sms import SparseSoupConfig
-from hf_sms.scripts import DataArguments, parse_args, prepared_splits
+from hf_sms import SparseSoupConfig, load_sparse
+from hf_sms.scripts import DataArguments, OODArguments, parse_args, prepared_splits, pretrain, smoke_classification
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -21,6 +24,12 @@ def _recipe(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _types(module) -> tuple:
+    """The dataclasses a recipe's __main__ parses (cifar also takes OODArguments)."""
+    ood = (OODArguments,) if getattr(module, "OODArguments", None) is OODArguments else ()
+    return (module.ModelArguments, DataArguments, *ood, SparseSoupConfig)
 
 
 def _args(tmp_path, **kw):
@@ -69,24 +78,28 @@ def test_shipped_configs_parse():
         "resnet50_imagenet": ("image_classification", "validation"),
         "maxvit_imagenet": ("image_classification", "validation"),
         "pspnet_cityscapes": ("pspnet_segmentation", "validation"),
+        "resnet18_cifar10": ("cifar", "test"),
+        "wrn20_cifar100": ("cifar", "test"),
+        "resnet18_celeba": ("cifar", "test"),
     }
+    assert {p.stem for p in (RECIPES / "configs").glob("*.yaml")} == set(shipped)
     for name, (recipe, test_split) in shipped.items():
         module = _recipe(recipe)
         argv = ["--config", str(RECIPES / "configs" / f"{name}.yaml"), "--bf16", "false"]
-        model, data, args = parse_args(module.ModelArguments, DataArguments, SparseSoupConfig, argv=argv)
+        model, data, *_, args = parse_args(*_types(module), argv=argv)
         assert args.retrain_schedule == "allr" and args.pretrain_epochs > 0
         assert data.test_split == test_split == data.with_defaults(**module.DATA_DEFAULTS).test_split
 
 
 def test_recipes_share_one_data_arguments():
     data_fields = {f.name for f in dataclasses.fields(DataArguments)}
-    for name in ("t5_wmt16", "image_classification", "pspnet_segmentation"):
+    for name in ("t5_wmt16", "image_classification", "pspnet_segmentation", "cifar"):
         module = _recipe(name)
         assert module.DataArguments is DataArguments
         assert not data_fields & {f.name for f in dataclasses.fields(module.ModelArguments)}, name
         assert set(module.DATA_DEFAULTS) <= data_fields, name
-        # every field of the three dataclasses is a flag, with no name taken twice
-        model, data, _ = parse_args(module.ModelArguments, DataArguments, SparseSoupConfig, argv=["--output_dir", "o"])
+        # every field of the dataclasses is a flag, with no name taken twice
+        model, data, *_ = parse_args(*_types(module), argv=["--output_dir", "o"])
         assert isinstance(data, DataArguments) and data.test_split is None
 
 
@@ -277,3 +290,93 @@ def test_pspnet_recipe_on_a_saved_dataset(tmp_path):
     draws = [runner.train_dataset[0]["x"] for _ in range(12)]
     assert any(torch.equal(x, plain) for x in draws) and any(torch.equal(x, plain.flip(-1)) for x in draws)
     assert all(torch.equal(x, plain) or torch.equal(x, plain.flip(-1)) for x in draws)
+
+
+def test_smoke_flag_layers_over_yaml_under_flags(tmp_path):
+    t5 = _recipe("t5_wmt16")
+    config = tmp_path / "c.yaml"
+    config.write_text("output_dir: real-run\nnum_replicas: 5\nmax_source_length: 99\nbf16: true\n")
+
+    def smoke(folder):
+        assert Path(folder).is_dir()
+        return {"max_source_length": 7, "not_a_field_of_this_recipe": 1}
+
+    argv = ["--config", str(config), "--smoke", "--num_replicas", "4"]
+    model, data, args = parse_args(t5.ModelArguments, DataArguments, SparseSoupConfig, argv=argv, smoke=smoke)
+    assert model.max_source_length == 7  # the hook beats the YAML
+    assert (args.num_replicas, args.output_dir, args.use_cpu, args.bf16) == (4, "smoke-output", True, False)
+    with pytest.raises(ValueError, match="no --smoke"):
+        parse_args(t5.ModelArguments, DataArguments, SparseSoupConfig, argv=["--smoke"])
+
+
+def test_pretrain_follows_the_pretrain_shape_and_is_reused(tmp_path):
+    from transformers import TrainerCallback
+
+    from hf_sms.schedules import PRETRAIN_SHAPES
+
+    class Rates(TrainerCallback):
+        def __init__(self):
+            self.rates = []
+
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            self.rates.append(optimizer.param_groups[0]["lr"])
+
+    data = make_image_dataset(n=32)  # 4 steps per epoch at batch 8
+    args = _args(tmp_path, pretrain_epochs=5, pretrain_schedule="step", pretrain_learning_rate=0.1, optim="sgd")
+    args = dataclasses.replace(args, learning_rate=0.05, per_device_train_batch_size=8, max_steps=2)
+    model, rates, folder = make_cnn(), Rates(), str(tmp_path / "dense")
+    assert pretrain(model, args, data, folder, callbacks=[rates]) is model
+    # 20 steps (max_steps is the retraining's), from eta_max along the very shape ALLR/LRW/SLR are told
+    assert rates.rates == pytest.approx([PRETRAIN_SHAPES["step"](k / 20, 0.1, 0.0) for k in range(20)])
+    assert rates.rates[9:11] == pytest.approx([0.1, 0.01]) and rates.rates[-1] == pytest.approx(0.001)
+
+    again, rates = make_cnn(seed=1), Rates()
+    pretrain(again, args, data, folder, callbacks=[rates])  # a rerun loads the finished pretraining
+    assert rates.rates == [] and all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters()))
+    with pytest.raises(ValueError, match="pretrained with"):
+        pretrain(make_cnn(), dataclasses.replace(args, pretrain_epochs=6), data, folder)
+
+
+def test_cifar_models():
+    from hf_sms.checkpoint.families import family_of_model
+
+    cifar = _recipe("cifar")
+    resnet = cifar.build_model(cifar.ModelArguments(), 10)  # timm's resnet18 with the CIFAR stem
+    assert (resnet.conv1.kernel_size, resnet.conv1.stride, type(resnet.maxpool)) == ((3, 3), (1, 1), torch.nn.Identity)
+    assert sum(p.numel() for p in resnet.parameters()) == 11_173_962  # the paper's "11 Mio"
+    assert family_of_model(resnet).library == "torch"  # timm would rebuild the ImageNet stem from its config
+    assert resnet(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    imagenet = cifar.build_model(cifar.ModelArguments(cifar_stem=False), 2)
+    assert family_of_model(imagenet).library == "timm" and imagenet.conv1.kernel_size == (7, 7)
+    wrn = cifar.build_model(cifar.ModelArguments(model_name="wrn20"), 100)  # depth 22, widen 10, as the paper's code
+    assert sum(p.numel() for p in wrn.parameters()) == 26_863_460  # the paper's "26 Mio"
+    assert sum(isinstance(m, cifar.WideBlock) for m in wrn.modules()) == 9
+    assert wrn(torch.zeros(2, 3, 32, 32)).shape == (2, 100)
+
+
+def test_cifar_recipe_reads_cifar_c_and_saves_a_loadable_soup(tmp_path):
+    cifar = _recipe("cifar")
+    rng = np.random.default_rng(0)
+    root = tmp_path / "CIFAR-10-C"  # the published layout: <corruption>.npy (5 severities stacked), labels.npy
+    root.mkdir()
+    for name in ("gaussian_noise", "contrast"):
+        np.save(root / f"{name}.npy", rng.integers(0, 256, (5 * 6, 32, 32, 3), dtype=np.uint8))
+    np.save(root / "labels.npy", np.tile(np.arange(6) % 4, 5))
+
+    model_args = cifar.ModelArguments(model_kwargs='{"layers": [1, 1, 1, 1], "channels": [8, 16, 16, 16]}')
+    data = DataArguments(image_column="img", **smoke_classification(str(tmp_path)))
+    ood = OODArguments(ood=True, ood_dir=str(root), ood_severities=[1, 5])
+    args = _args(tmp_path, optim="sgd", learning_rate=0.05, pretrain_epochs=1, retrain_schedule="allr")
+    runner = cifar.main(model_args, data, ood, args)
+    results = _check_run(tmp_path)
+    assert (tmp_path / "run-dense" / "sparsity.json").is_file()  # pretrained beside the run, not inside it
+    details = results["rows"]["sms_uniform"][0]["details"]["ood"]
+    assert set(details["per_corruption"]) == {"gaussian_noise", "contrast"} and set(details["per_severity"]) == {
+        "1",
+        "5",
+    }
+    assert results["dense"]["tests"]["ood"] == pytest.approx(
+        np.mean(list(results["dense"]["details"]["ood"]["per_set"].values()))
+    )
+    soup = load_sparse(str(tmp_path / "run" / "final_soup"), model=cifar.build_model(model_args, 4))
+    assert all(torch.equal(a, b) for a, b in zip(soup.state_dict().values(), runner.final_soup.state_dict().values()))
