@@ -1,8 +1,9 @@
-"""The ``hf-sms`` command: ``demo``, ``merge``, ``inspect``."""
+"""The ``hf-sms`` command: ``demo``, ``table``, ``merge``, ``inspect``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -12,9 +13,25 @@ def main(argv: list[str] | None = None) -> int:
     from . import checkpoint_cli, demo
 
     demo.add_parser(sub)
+    p = sub.add_parser("table", help="Print Table-1 shaped tables from results.json files (mean ± std over runs).")
+    p.add_argument("results", nargs="+", help="results.json of one or more runs of the same setting (e.g. seeds)")
+    p.add_argument("--split", nargs="*", help="val, test or named test sets (default: every test set)")
+    p.set_defaults(func=_table)
     checkpoint_cli.add_parsers(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
+
+
+def _table(args) -> int:
+    from .results import format_table, reported_tests
+
+    runs = []
+    for path in args.results:
+        with open(path) as f:
+            runs.append(json.load(f))
+    for split in args.split or reported_tests(runs[0]):
+        print(f"{split}:\n{format_table(runs, split)}\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
+from .checkpoint.constants import RESULTS_FILE
 from .config import SparseSoupConfig
 from .data import load_digits_splits
 from .evaluation import ClassificationAccuracy
@@ -111,7 +112,7 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
     runner = SparseModelSoup(model, args, train, accuracy, eval_dataset=val, test_dataset=test)
     runner.run()
     results = {**runner.results, "seconds": round(time.time() - t0, 1), "quick": quick}
-    save_results(results, os.path.join(output_dir, "results.json"))
+    save_results(results, os.path.join(output_dir, RESULTS_FILE))
     plot_results([results], os.path.join(output_dir, "results.png"), ylabel="accuracy (%)")
     print("\nTest accuracy (%) after each phase:\n" + format_table([results], "test"))
     print(f"\n[hf-sms] wrote {output_dir}/results.json, results.png, final_soup/ in {results['seconds']:.0f} s")

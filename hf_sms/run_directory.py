@@ -20,11 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint.constants import TMP_PREFIX
+from .checkpoint.constants import LOCK_FILE, RUN_FILE, TMP_PREFIX
 from .data import peek
 from .results import save_results
 
-RUN_FILE, LOCK_FILE, RESULTS_FILE, FINAL_SOUP = "run.json", ".hf-sms.lock", "results.json", "final_soup"
 # Config fields that cannot change a replica's weights or the metrics: where and how a run reports.
 _NOT_RESULTS = (
     "output_dir",

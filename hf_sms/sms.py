@@ -17,7 +17,7 @@ from transformers import default_data_collator
 from .baselines import BASELINES
 from .batchnorm import has_batchnorm, recalibrate_batchnorm
 from .checkpoint import load_sparse, save_sparse
-from .checkpoint.constants import SPARSITY_NAME
+from .checkpoint.constants import FINAL_SOUP, RESULTS_FILE, SPARSITY_NAME
 from .checks import check_inputs
 from .config import SparseSoupConfig
 from .data import split_validation
@@ -30,7 +30,7 @@ from .merge import MERGE_METHODS, check_same_masks
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
 from .pruning_methods import PRUNING_METHODS, empty_step
 from .results import save_results
-from .run_directory import FINAL_SOUP, RESULTS_FILE, RunDirectory, config_fingerprint, data_hash, model_hash
+from .run_directory import RunDirectory, config_fingerprint, data_hash, model_hash
 from .trainer import SparseSoupTrainer
 
 logger = logging.getLogger("hf_sms")

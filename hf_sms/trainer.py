@@ -17,14 +17,13 @@ from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
+from .checkpoint.constants import MASKS_NAME
 from .config import SparseSoupConfig
 from .masking import MaskEnforcer
 from .prunable import Masks
 from .pruning import PruningStep, apply_masks, prune
 from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler
 from .seeding import EpochShuffleSampler
-
-MASKS_NAME = "sparse_masks.safetensors"
 
 
 def cross_entropy_loss(outputs, labels, num_items_in_batch=None):

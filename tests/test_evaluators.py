@@ -108,3 +108,17 @@ def test_named_tests_accepts_a_dataset_a_mapping_and_pairs():
     assert named_tests(None, metric) == {}
     assert named_tests([1], metric) == {"test": ([1], metric)}
     assert named_tests({"a": [1], "b": ([2], other)}, metric) == {"a": ([1], metric), "b": ([2], other)}
+
+
+def test_the_table_command_prints_every_test_set(run, tmp_path, capsys):
+    import json
+
+    from hf_sms.cli import main
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(run))
+    assert main(["table", str(path), str(path)]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{name}:" in out for name in ("test", "ood", "groups")) and "dense (unpruned)" in out
+    assert main(["table", str(path), "--split", "ood"]) == 0
+    assert capsys.readouterr().out.startswith("ood:")

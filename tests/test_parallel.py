@@ -63,6 +63,17 @@ def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
         assert p["pairwise_l2"][0] > 0  # the replicas really differ before the merge
 
 
+@pytest.mark.parametrize("method", ["gmp", "dpf"])
+def test_pruning_during_training_with_sms_on_two_processes(tmp_path, method):
+    # the plain run before the copies is trained by one process and shared; the copies train in parallel
+    outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
+    for n, out in outs.items():
+        _run(_cmd(n, "sms_digits.py", out, "--pruning-method", method, "--steps", "12"))
+    assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
+    par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
+    assert par["rows"] == seq["rows"] and len(par["rows"]["sms_greedy"]) == 2  # one row per SMS phase
+
+
 def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
     # m = 2 then 1 on 2 processes: the second process owns no replica in phase 2 but joins every collective
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}

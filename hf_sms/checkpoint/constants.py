@@ -1,4 +1,4 @@
-"""File names and version numbers of the checkpoint format, in one place."""
+"""File names hf-sms writes (checkpoints, run folders, trainer checkpoints) and the format version, in one place."""
 
 from __future__ import annotations
 
@@ -21,3 +21,7 @@ QUANT_METHOD = "hf-sms-sparse"
 # Files a save replaces in an existing folder, and a merge does not copy from its first input.
 _WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", SPARSITY_NAME)
 STALE_FILES = re.compile(r"^(" + "|".join(map(re.escape, _WEIGHT_FILES)) + r"|model-\d+-of-\d+\.safetensors)$")
+
+# A run folder (hf_sms.run_directory) and a SparseSoupTrainer checkpoint.
+RUN_FILE, LOCK_FILE, RESULTS_FILE, FINAL_SOUP = "run.json", ".hf-sms.lock", "results.json", "final_soup"
+MASKS_NAME = "sparse_masks.safetensors"

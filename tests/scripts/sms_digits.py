@@ -23,6 +23,7 @@ parser.add_argument("--phases", type=int, default=2)
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--baselines", nargs="*", default=[])
 parser.add_argument("--per-phase", type=int, nargs="*", default=None, help="m of each phase")
+parser.add_argument("--pruning-method", default="imp", help="imp, or gmp/dpf (then --steps is the whole budget)")
 cli = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -44,6 +45,8 @@ args = SparseSoupConfig(
     disable_tqdm=True,
     seed=0,
     baselines=cli.baselines,
+    pruning_method=cli.pruning_method,
+    pruning_steps=2,
     merge_methods=["greedy"],
     replicas_per_phase=cli.per_phase,
 )
