@@ -14,6 +14,8 @@ m = 3) vs IMP. Test accuracy (%) and theoretical speedup, mean ± std over seeds
 
 import argparse
 import copy
+import json
+import math
 import os
 import statistics
 import sys
@@ -39,6 +41,7 @@ p.add_argument("--replicas", type=int, default=3)
 p.add_argument("--sms-start", type=float, default=0.5, help="fraction of the budget before copies start")
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--retrain-epochs", type=float, default=8, help="part 2: epochs per phase and replica")
+p.add_argument("--report-only", action="store_true", help="rewrite the report from OUTPUT_DIR/all_results.json")
 cli = p.parse_args()
 torch.set_num_threads(1)
 accuracy = ClassificationAccuracy()
@@ -102,25 +105,34 @@ def structured(dense, train, val, test, seed: int, fraction: float) -> dict:
 
 t0 = time.time()
 table: dict[tuple, list[dict]] = {}
-for seed in cli.seeds:
-    train, val, test = load_digits_splits(seed=seed)
-    for target in cli.targets:
-        for method in ("gmp", "dpf", "bimp"):
-            for m in (1, cli.replicas):
-                table.setdefault((target, method, m), []).append(during(train, val, test, seed, method, target, m))
-                print(f"[{time.time() - t0:.0f}s] {method} m={m} target {target} seed {seed} done", flush=True)
-    torch.manual_seed(seed)
-    dense = pretrain(DigitsResNet(cli.width), train, os.path.join(cli.output_dir, f"pre-{seed}"), cli.epochs, 0.1, seed)
-    for fraction in cli.filter_fractions:
-        for variant, row in structured(dense, train, val, test, seed, fraction).items():
-            table.setdefault((fraction, f"filters-{variant}", 3 if variant == "sms" else 1), []).append(row)
-        print(f"[{time.time() - t0:.0f}s] filters {fraction} seed {seed} done", flush=True)
-
-save_results({"|".join(map(str, k)): v for k, v in table.items()}, os.path.join(cli.output_dir, "all_results.json"))
+if cli.report_only:
+    with open(os.path.join(cli.output_dir, "all_results.json")) as f:
+        for key, rows in json.load(f).items():
+            target, method, m = key.split("|")
+            table[(float(target), method, int(m))] = rows
+else:
+    for seed in cli.seeds:
+        train, val, test = load_digits_splits(seed=seed)
+        for target in cli.targets:
+            for method in ("gmp", "dpf", "bimp"):
+                for m in (1, cli.replicas):
+                    table.setdefault((target, method, m), []).append(during(train, val, test, seed, method, target, m))
+                    print(f"[{time.time() - t0:.0f}s] {method} m={m} target {target} seed {seed} done", flush=True)
+        torch.manual_seed(seed)
+        dense = pretrain(
+            DigitsResNet(cli.width), train, os.path.join(cli.output_dir, f"pre-{seed}"), cli.epochs, 0.1, seed
+        )
+        for fraction in cli.filter_fractions:
+            for variant, row in structured(dense, train, val, test, seed, fraction).items():
+                table.setdefault((fraction, f"filters-{variant}", 3 if variant == "sms" else 1), []).append(row)
+            print(f"[{time.time() - t0:.0f}s] filters {fraction} seed {seed} done", flush=True)
+    save_results({"|".join(map(str, k)): v for k, v in table.items()}, os.path.join(cli.output_dir, "all_results.json"))
 
 
 def cell(rows: list[dict], key: str, digits: int = 2) -> str:
     values = [r[key] for r in rows if r.get(key) is not None]
+    if any(math.isinf(v) for v in values):  # a whole layer pruned: no FLOPs left to count
+        return "inf (" + ", ".join(f"{v:.{digits}f}" for v in values) + ")"
     sd = f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
     return f"{statistics.mean(values):.{digits}f}{sd}" if values else "-"
 
