@@ -162,3 +162,25 @@ def training_args(output_dir: str, cls=None, **overrides):
 def make_args(out_dir):
     """``make_args(cls=None, **overrides)``: :func:`training_args` writing to the test's temp dir."""
     return lambda cls=None, **overrides: training_args(out_dir, cls, **overrides)
+
+
+def sms_config(tmp_path, **overrides):
+    """A SparseSoupConfig for fast CPU runs of the SMS loop on digits, in ``tmp_path / "run"``; tests override
+    what they exercise."""
+    from hf_sms import SparseSoupConfig
+
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        target_sparsity=0.8,
+        n_phases=2,
+        num_replicas=2,
+        max_steps=4,
+        per_device_train_batch_size=32,
+        learning_rate=0.05,
+        optim="sgd",
+        use_cpu=True,
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+    )
+    return SparseSoupConfig(**{**base, **overrides})

@@ -4,8 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import sms_config
 
-from hf_sms import SparseModelSoup, SparseSoupConfig, run_sms, sparsity_report
+from hf_sms import SparseModelSoup, run_sms, sparsity_report
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.during_training import gmp_phases, gmp_sparsity
@@ -14,21 +15,7 @@ from hf_sms.pruning import masks_from_model
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        target_sparsity=0.8,
-        num_replicas=1,
-        max_steps=16,
-        per_device_train_batch_size=32,
-        learning_rate=0.05,
-        optim="sgd",
-        use_cpu=True,
-        disable_tqdm=True,
-        report_to="none",
-        seed=0,
-        pruning_steps=3,
-    )
-    return SparseSoupConfig(**{**base, **kw})
+    return sms_config(tmp_path, **{**dict(num_replicas=1, max_steps=16, pruning_steps=3), **kw})
 
 
 def _net():

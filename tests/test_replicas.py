@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from conftest import sms_config
 from torch import nn
 
-from hf_sms import SparseModelSoup, SparseSoupConfig, SparseSoupTrainer
+from hf_sms import SparseModelSoup, SparseSoupTrainer
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
@@ -42,21 +43,10 @@ class MLP(nn.Module):
 
 
 def _config(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        target_sparsity=0.5,
-        n_phases=2,
-        num_replicas=3,
-        num_train_epochs=2,
-        per_device_train_batch_size=64,
-        learning_rate=0.05,
-        optim="sgd",
-        use_cpu=True,
-        disable_tqdm=True,
-        report_to="none",
-        seed=0,
-    )
-    return SparseSoupConfig(**{**base, **kw})
+    epochs = dict(
+        max_steps=-1, num_train_epochs=2, per_device_train_batch_size=64
+    )  # whole epochs: one permutation each
+    return sms_config(tmp_path, **{**dict(target_sparsity=0.5, num_replicas=3, **epochs), **kw})
 
 
 def _epochs(seen: list[int], n: int) -> list[tuple[int, ...]]:

@@ -5,6 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import sms_config
 
 from hf_sms import SparseModelSoup, SparseSoupConfig, SparseSoupTrainer, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
@@ -14,21 +15,7 @@ from hf_sms.merge import MERGE_METHODS, indicator_weights, register_merge
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        target_sparsity=0.5,
-        n_phases=1,
-        num_replicas=2,
-        max_steps=2,
-        per_device_train_batch_size=32,
-        learning_rate=0.05,
-        optim="sgd",
-        use_cpu=True,
-        disable_tqdm=True,
-        report_to="none",
-        seed=0,
-    )
-    return SparseSoupConfig(**{**base, **kw})
+    return sms_config(tmp_path, **{**dict(target_sparsity=0.5, n_phases=1, max_steps=2), **kw})
 
 
 def _net(seed=0):

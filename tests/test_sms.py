@@ -5,9 +5,10 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import sms_config
 from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
 
-from hf_sms import SparseModelSoup, SparseSoupConfig, phase_sparsities, run_sms, sparsity_report
+from hf_sms import SparseModelSoup, phase_sparsities, run_sms, sparsity_report
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
@@ -15,20 +16,7 @@ from hf_sms.pruning import masks_from_model
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        target_sparsity=0.8,
-        n_phases=2,
-        num_replicas=2,
-        max_steps=4,
-        per_device_train_batch_size=32,
-        learning_rate=0.05,
-        optim="sgd",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    return SparseSoupConfig(**{**base, **kw})
+    return sms_config(tmp_path, **kw)
 
 
 def _net():
