@@ -5,8 +5,9 @@ import statistics
 
 import pytest
 import torch
+from conftest import sms_config
 
-from hf_sms import SparseSoupConfig, run_sms
+from hf_sms import run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
@@ -49,21 +50,7 @@ def run(tmp_path_factory):
         "ood": (ood, MeanOverSets(ClassificationAccuracy())),
         "groups": (Grouped(test), SubgroupRecall()),
     }
-    args = SparseSoupConfig(
-        output_dir=str(tmp_path_factory.mktemp("named") / "run"),
-        target_sparsity=0.8,
-        n_phases=2,
-        num_replicas=2,
-        max_steps=4,
-        per_device_train_batch_size=32,
-        learning_rate=0.05,
-        optim="sgd",
-        use_cpu=True,
-        disable_tqdm=True,
-        report_to="none",
-        seed=0,
-        baselines=["imp"],
-    )
+    args = sms_config(tmp_path_factory.mktemp("named"), baselines=["imp"])
     torch.manual_seed(0)
     _, results = run_sms(
         DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=tests

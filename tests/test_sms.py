@@ -5,8 +5,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import sms_config
-from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+from conftest import make_t5, sms_config
+from transformers import ByT5Tokenizer
 
 from hf_sms import SparseModelSoup, phase_sparsities, run_sms, sparsity_report
 from hf_sms.data import TensorDictDataset, load_digits_splits
@@ -119,18 +119,7 @@ def test_validation_is_split_off_train_with_a_fixed_seed(tmp_path, digits):
 
 def test_run_sms_on_a_tiny_t5(tmp_path):
     tok = ByT5Tokenizer()
-    cfg = T5Config(
-        vocab_size=tok.vocab_size,
-        d_model=16,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        d_kv=8,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = T5ForConditionalGeneration(cfg)
+    model = make_t5()
     src = tok([f"copy {i}" for i in range(40)], padding="max_length", max_length=12)
     tgt = tok([f"{i}" for i in range(40)], padding="max_length", max_length=6)["input_ids"]
     rows = [
