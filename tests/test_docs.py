@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and docs/*.md runs as written: offline, in a fresh folder, on its own.
+"""Every ```python block of README.md and docs/ (recursively) runs as written: offline, in a fresh folder, on its own.
 
 A block fenced ```python no-test (one that needs the network, e.g. an upload to the Hub) is skipped.
 """
@@ -17,7 +17,7 @@ TIMEOUT_S = 300  # a block takes ~5-20 s on 2 busy cores; this only catches hang
 
 
 def _blocks():
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         text = path.read_text()
         for number, match in enumerate(FENCE.finditer(text), 1):
             name = f"{path.relative_to(ROOT)}:block{number}"
