@@ -35,9 +35,9 @@ from hf_sms.scripts import (
     parse_args,
     prepared_splits,
     pretrain,
-    smoke_classification,
     stack_collate,
 )
+from hf_sms.smoke import smoke_classification
 from hf_sms.subgroups import binary_attribute
 
 DATA_DEFAULTS = dict(dataset_name="uoft-cs/cifar10", test_split="test")

@@ -26,9 +26,9 @@ from hf_sms.scripts import (
     load_splits,
     parse_args,
     prepared_splits,
-    smoke_imagefolder,
     stack_collate,
 )
+from hf_sms.smoke import smoke_imagefolder
 
 DATA_DEFAULTS = dict(dataset_name="imagenet-1k", test_split="validation")
 

@@ -25,9 +25,9 @@ from hf_sms.scripts import (
     load_splits,
     parse_args,
     prepared_splits,
-    smoke_segmentation,
     stack_collate,
 )
+from hf_sms.smoke import smoke_segmentation
 
 DATA_DEFAULTS = dict(test_split="validation")
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)

@@ -22,7 +22,8 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSe
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import BleuMetric
-from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, smoke_translation
+from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits
+from hf_sms.smoke import smoke_translation
 
 DATA_DEFAULTS = dict(dataset_name="wmt16", dataset_config="ro-en", validation_split="validation", test_split="test")
 

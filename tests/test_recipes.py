@@ -14,7 +14,8 @@ from conftest import make_cnn, make_image_dataset
 from PIL import Image
 
 from hf_sms import SparseSoupConfig, load_sparse
-from hf_sms.scripts import DataArguments, OODArguments, parse_args, prepared_splits, pretrain, smoke_classification
+from hf_sms.scripts import DataArguments, OODArguments, parse_args, prepared_splits, pretrain
+from hf_sms.smoke import smoke_classification
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
