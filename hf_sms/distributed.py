@@ -13,6 +13,7 @@ world of size 1 that trains every replica in turn: the same code path, no torch.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Sequence
@@ -123,6 +124,38 @@ class ReplicaWorld:
             dist.broadcast(t, src=0)
             out[name] = t.to(mask.device).bool()
         return out
+
+    @torch.no_grad()
+    def broadcast_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Rank 0's weights on every rank: ``model`` itself where they agree, else a copy holding rank 0's.
+
+        Every replica must start from the same model. A head initialised at random (a new ``num_classes``) or
+        a model built before seeding differs per process, and replicas of different models average to
+        nothing useful; the user's object is never changed.
+        """
+        if self.size == 1:
+            return model
+        state = model.state_dict()
+        received = {}
+        for name, value in state.items():
+            t = value.detach().to(self.device)
+            t = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous().clone()
+            dist.broadcast(t, src=0)
+            received[name] = t.to(value.device, value.dtype)
+        differs = [None] * self.size
+        dist.all_gather_object(differs, any(not torch.equal(received[k], v) for k, v in state.items()))
+        if not any(differs):
+            return model
+        if self.is_main:
+            logging.getLogger("hf_sms").warning(
+                "[hf-sms] the starting model differs between processes (a randomly initialised layer, or a model "
+                "built before seeding): every process uses rank 0's weights. Seed before building the model, or "
+                "load it from one checkpoint, to silence this."
+            )
+        if differs[self.rank]:
+            model = copy.deepcopy(model)
+            model.load_state_dict(received)
+        return model
 
     def gather(self, local: dict[int, object]) -> dict[int, object]:
         """Union of every group's ``{replica index: value}`` (group mains contribute)."""

@@ -17,9 +17,11 @@ from dataclasses import field
 import numpy as np
 import torch
 import yaml
-from transformers import HfArgumentParser
+from accelerate.utils import broadcast
+from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from .checkpoint import SPARSITY_NAME, load_sparse, save_sparse
+from .distributed import launched_world_size
 from .results import format_table, reported_tests
 from .schedules import PRETRAIN_SHAPES
 from .smoke import SMOKE_ARGS
@@ -66,7 +68,11 @@ def parse_args(*dataclass_types, argv: list[str] | None = None, smoke: Callable[
         overrides = {**SMOKE_ARGS, **smoke(folder)}
         defaults.update({k: v for k, v in overrides.items() if k in known})
     parser.set_defaults(**defaults)
-    return parser.parse_args_into_dataclasses(args=argv)
+    parsed = parser.parse_args_into_dataclasses(args=argv)
+    seed = next((a.seed for a in parsed if isinstance(a, TrainingArguments)), None)
+    if seed is not None:  # before the recipe builds its model: every process initialises the same weights
+        set_seed(seed)
+    return parsed
 
 
 @dataclasses.dataclass
@@ -291,9 +297,11 @@ def pretrain(model: torch.nn.Module, args, train_dataset, folder: str, **trainer
     Trains ``model`` in place for ``args.pretrain_epochs`` epochs from peak LR ``args.eta_max`` along
     ``PRETRAIN_SHAPES[args.pretrain_schedule]`` (the very shape LRW, SLR and ALLR then assume), with the run's
     optimizer, batch size and weight decay (the paper retrains with its pretraining's batch size and weight decay),
-    data-parallel over all processes; ``max_steps`` does not apply. The result is saved with ``save_sparse`` to
-    ``folder`` (plain torch models load back with ``load_sparse(folder, model=template)``). A folder that holds a
-    finished pretraining with the same settings is loaded instead; one with other settings is an error.
+    data-parallel over all N processes with ``per_device_train_batch_size / N`` each, so the global batch is the
+    run's batch size (the paper's 128) whatever N is; ``max_steps`` does not apply. The result is saved with
+    ``save_sparse`` to ``folder`` (plain torch models load back with ``load_sparse(folder, model=template)``). A
+    folder that holds a finished pretraining with the same settings is loaded instead; one with other settings is
+    an error.
 
     Args:
         model: the freshly initialised model.
@@ -302,15 +310,22 @@ def pretrain(model: torch.nn.Module, args, train_dataset, folder: str, **trainer
         folder: where the dense model is saved; keep it outside ``args.output_dir``, which the SMS run owns.
         **trainer_kwargs: passed to the trainer, e.g. ``data_collator``.
     """
+    n = launched_world_size()
+    if args.per_device_train_batch_size % n:
+        raise ValueError(
+            f"pretraining keeps the global batch per_device_train_batch_size={args.per_device_train_batch_size} "
+            f"on {n} processes: launch a number of processes that divides it"
+        )
     pre = dataclasses.replace(
         args,
         output_dir=folder,
+        per_device_train_batch_size=args.per_device_train_batch_size // n,
         num_train_epochs=args.pretrain_epochs or 0,
         max_steps=-1,
         learning_rate=args.eta_max,
         push_to_hub=False,
     )
-    settings = {"pretraining": {k: getattr(pre, k) for k in _PRETRAINING}}
+    settings = {"pretraining": {k: getattr(args if k.endswith("batch_size") else pre, k) for k in _PRETRAINING}}
     if os.path.isfile(os.path.join(folder, SPARSITY_NAME)):
         with open(os.path.join(folder, SPARSITY_NAME)) as f:
             saved = json.load(f).get("recipe")
@@ -326,6 +341,9 @@ def pretrain(model: torch.nn.Module, args, train_dataset, folder: str, **trainer
     logger.info("[hf-sms] dense model: pretraining %s epochs into %s", args.pretrain_epochs, folder)
     trainer = _Pretrainer(model, pre, masks={}, train_dataset=train_dataset, **trainer_kwargs)
     trainer.train()
+    if n > 1:  # DDP syncs buffers before each forward, so the last step left BatchNorm statistics per process
+        for buffer in model.buffers():
+            buffer.copy_(broadcast(buffer.to(trainer.accelerator.device), from_process=0))
     if trainer.is_world_process_zero():
         save_sparse(model, folder, recipe=settings)
     trainer.accelerator.wait_for_everyone()

@@ -83,7 +83,7 @@ class SparseModelSoup:
         if eval_dataset is None:
             train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction, args.seed)
         check_inputs(args, train_dataset, eval_dataset, metric_fn)
-        self.pretrained, self.args = model, args
+        self.args = args
         self.tests = named_tests(test_dataset, metric_fn)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         # The ensemble diagnostic needs a test set scored with the selection metric.
@@ -101,6 +101,7 @@ class SparseModelSoup:
         self.collate = data_collator or default_data_collator
         self.results: dict = {"phases": phase_sparsities(args.target_sparsity, args.n_phases), "rows": {}, "sms": []}
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
+        model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
         splits = {"train": train_dataset, "eval": eval_dataset, **{f"test:{n}": d for n, (d, _) in self.tests.items()}}
         fingerprint = {
             "config": config_fingerprint(args),

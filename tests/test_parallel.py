@@ -84,6 +84,18 @@ def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
     assert par["rows"] == seq["rows"] and [len(d["candidates_val"]) for d in par["sms"]] == [2, 1]
 
 
+@pytest.mark.parametrize("family", ["t5", "timm", "smp"])
+def test_two_processes_give_the_sequential_soup_for_every_family(tmp_path, family):
+    # each process saves the replicas it owns in the family's own format (transformers, timm, smp)
+    outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
+    for n, out in outs.items():
+        _run(_cmd(n, "sms_families.py", family, out))
+    assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
+    par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
+    assert par["rows"] == seq["rows"] and par["dense"] == seq["dense"]
+    assert (outs[2] / "sms" / "phase2" / "replica1" / "sparsity.json").is_file()  # written by rank 1
+
+
 def _kill_when(cmd, marker: Path, timeout=240) -> None:
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + timeout

@@ -122,13 +122,20 @@ class TransformersFamily(Family):
         return (config.get("architectures") or [None])[0]
 
     def save(self, model, folder):
-        model.save_pretrained(folder)
+        # Inside a process group transformers writes on rank 0 only (``should_save_on_this_rank``), but a
+        # replica is saved by whichever process owns it, into a folder no other process writes.
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            model.save_pretrained(folder, is_main_process=True)
+        finally:
+            del model.should_save_on_this_rank
         return type(model).__name__, {}
 
     def build(self, ckpt, state_dict, **kwargs):
         import transformers
 
-        config = transformers.AutoConfig.from_pretrained(ckpt.directory)
+        # never run code a folder names in auto_map, and never ask about it at a prompt
+        config = transformers.AutoConfig.from_pretrained(ckpt.directory, trust_remote_code=False)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the state dict is decoded already
         cls = getattr(transformers, ckpt.architecture, None)

@@ -50,6 +50,15 @@ if mode == "replicas":  # 2 processes, m = 2: one replica each
     d = world.pairwise_l2({rank: models[rank]}, 2, sum(p.numel() for p in models[0].parameters()))
     flat = [torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]) for m in models]
     assert abs(d[0] - float((flat[0] - flat[1]).norm())) < 1e-9
+    # Every replica starts from rank 0's model, even where the processes built different ones; the user's
+    # object is left alone.
+    built = net(seed=rank)
+    before = copy.deepcopy(built.state_dict())
+    start = world.broadcast_model(built)
+    assert all(torch.equal(start.state_dict()[k], net(seed=0).state_dict()[k]) for k in before)
+    assert all(torch.equal(built.state_dict()[k], before[k]) for k in before)
+    assert (start is built) == (rank == 0)
+    assert world.broadcast_model(start) is start  # agreeing models are not copied
 elif mode == "group":  # 2 processes, m = 1: the replica is data-parallel over a group of two
     assert (world.group_size, world.n_groups, world.owned(1)) == (2, 1, [0]) and world.subgroup is not None
     x, y = torch.randn(64, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(64) % 10
