@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -258,6 +259,23 @@ class SparseSoupConfig(TrainingArguments):
                     f"bimp needs 0 < bimp_pretrain_epochs < num_train_epochs={budget} (the paper: 60 or 75 of 100), "
                     f"got {self.bimp_pretrain_epochs}"
                 )
+
+    # -- the Hub token never leaves the process ------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """Pickled without tokens: transformers saves the args as ``training_args.bin`` (a pickle) into every
+        checkpoint, which ``push_to_hub`` would upload. Copies keep them (:meth:`__copy__`, :meth:`__deepcopy__`)."""
+        return {k: None if k.endswith("_token") and isinstance(v, str) else v for k, v in self.__dict__.items()}
+
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     @property
     def eta_max(self) -> float:

@@ -7,6 +7,7 @@ Authentication is huggingface_hub's own (``token=`` or ``hf auth login``); the t
 
 from __future__ import annotations
 
+import glob
 import logging
 import numbers
 import os
@@ -20,7 +21,7 @@ from torch import nn
 from .checkpoint import save_sparse
 from .checkpoint.constants import CARD_NAME, SPARSITY_NAME, TMP_PREFIX
 from .checkpoint.families import FAMILIES, Family
-from .checkpoint.folder import read_sparsity
+from .checkpoint.folder import published_files, read_sparsity
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,7 @@ def push_to_hub(
         with open(path + ".tmp", "w") as f:
             f.write(card)
         os.replace(path + ".tmp", path)
+        files = published_files(directory)  # raises on a link out of the folder, before the repository exists
         api = HfApi(token=token)
         repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         logger.info("uploading %s to %s", directory, repo.repo_id)
@@ -303,6 +305,9 @@ def push_to_hub(
             commit_message=commit_message,
             revision=revision,
             create_pr=create_pr,
+            # an explicit list: weights, configs, tokenizer/processor files, sparsity.json and the card; never
+            # training_args.bin or optimizer state, never a file a symbolic link leads to outside the folder
+            allow_patterns=[glob.escape(name) for name in files],
             ignore_patterns=[TMP_PREFIX + "*", "*.tmp"],
         )
         return getattr(commit, "commit_url", None) or str(commit)

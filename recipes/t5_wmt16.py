@@ -54,8 +54,8 @@ def smoke(folder: str) -> dict:
 
 def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
     data_args = data_args.with_defaults(**DATA_DEFAULTS)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=False)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=False)
     raw = load_splits(data_args)
 
     def tokenize(batch):

@@ -22,6 +22,21 @@ QUANT_METHOD = "hf-sms-sparse"
 _WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", SPARSITY_NAME)
 STALE_FILES = re.compile(r"^(" + "|".join(map(re.escape, _WEIGHT_FILES)) + r"|model-\d+-of-\d+\.safetensors)$")
 
+# Files a checkpoint publishes (Hub upload, a merge's companion copy): weights, configs, tokenizer and processor
+# files, sparsity.json, the card. Everything else stays: training_args.bin (a pickle holding the Hub token),
+# optimizer/scheduler/RNG state, trainer logs.
+_PUBLISHED = (
+    r"[^/]+\.safetensors",
+    r"model\.safetensors\.index\.json",
+    r"(generation_)?config\.json",
+    r"(pre)?processor_config\.json|image_processor(_config)?\.json|video_preprocessor_config\.json",
+    r"(tokenizer|tokenizer_config|special_tokens_map|added_tokens|chat_template)\.(json|jinja)",
+    r"(vocab\.(json|txt)|merges\.txt|[^/]*\.model|spiece\.model|sentencepiece\.bpe\.model)",
+    re.escape(SPARSITY_NAME),
+    re.escape(CARD_NAME),
+)
+PUBLISHED_FILES = re.compile(r"^(" + "|".join(_PUBLISHED) + r")$")
+
 # A run folder (hf_sms.run_directory) and a SparseSoupTrainer checkpoint.
 RUN_FILE, LOCK_FILE, RESULTS_FILE, FINAL_SOUP = "run.json", ".hf-sms.lock", "results.json", "final_soup"
 MASKS_NAME = "sparse_masks.safetensors"

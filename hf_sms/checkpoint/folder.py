@@ -18,6 +18,7 @@ from .constants import (
     CARD_NAME,
     FORMAT_VERSION,
     INDEX_NAME,
+    PUBLISHED_FILES,
     SPARSITY_NAME,
     STALE_FILES,
     TMP_PREFIX,
@@ -32,9 +33,9 @@ from .constants import (
 MODES = ("new", "update", "replace")
 
 
-def read_json(path: str) -> dict | None:
+def read_json(path: str | None) -> dict | None:
     """The JSON object in ``path``, or ``None`` if there is no such file; ``ValueError`` if it is not JSON."""
-    if not os.path.isfile(path):
+    if path is None or not os.path.isfile(path):
         return None
     try:
         with open(path) as f:
@@ -50,13 +51,48 @@ def write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
+def _hub_cache_blobs(directory: str) -> str | None:
+    """The ``blobs`` folder of a huggingface_hub cache snapshot (``<repo>/snapshots/<revision>``), else ``None``:
+    there every file is a symbolic link into it."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    blobs = os.path.join(os.path.dirname(parent), "blobs")
+    return os.path.realpath(blobs) if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs) else None
+
+
+def checkpoint_file(directory: str, name: str) -> str | None:
+    """The path of the file ``name`` of a checkpoint folder, or ``None`` if there is none.
+
+    Every file hf-sms reads or copies from a checkpoint comes through here: ``name`` must be a plain relative
+    path that resolves, symbolic links followed, to a regular file inside ``directory`` (or, in a
+    huggingface_hub cache snapshot, inside its repository's ``blobs``), else ``ValueError``: a folder from
+    elsewhere can never make hf-sms read, copy or upload a file outside it.
+    """
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or ".." in parts or not name:
+        raise ValueError(f"{directory} names the file {name!r}, which is outside the folder; re-save the checkpoint")
+    path = os.path.join(directory, name)
+    if not os.path.lexists(path):
+        return None
+    real, roots = os.path.realpath(path), [os.path.realpath(directory), _hub_cache_blobs(directory)]
+    if not any(r and os.path.commonpath([real, r]) == r for r in roots) or not os.path.isfile(real):
+        raise ValueError(
+            f"{path} is a symbolic link or special file that leads outside its checkpoint folder ({real}); hf-sms "
+            "reads only regular files inside the folder: replace it with the file itself"
+        )
+    return path
+
+
 def weight_files(directory: str) -> list[str]:
     """The safetensors files of a folder: the shards its index lists, else ``model.safetensors``."""
-    index = read_json(os.path.join(directory, INDEX_NAME))
+    index = read_json(checkpoint_file(directory, INDEX_NAME))
     if index is not None:
-        return sorted({os.path.join(directory, v) for v in index["weight_map"].values()})
-    path = os.path.join(directory, WEIGHTS_NAME)
-    if os.path.isfile(path):
+        names = sorted(set((index.get("weight_map") or {}).values()))
+        missing = [n for n in names if checkpoint_file(directory, n) is None]
+        if missing or not names:
+            raise ValueError(f"{directory}: {INDEX_NAME} lists missing weight files {missing}; re-save the checkpoint")
+        return [os.path.join(directory, n) for n in names]
+    path = checkpoint_file(directory, WEIGHTS_NAME)
+    if path is not None:
         return [path]
     raise ValueError(
         f"{directory} holds no {WEIGHTS_NAME} (nor {INDEX_NAME}): it is not a checkpoint folder. Save one with "
@@ -134,12 +170,19 @@ def _update(tmp: str, directory: str) -> None:
         os.replace(os.path.join(tmp, name), dst)
 
 
+def published_files(directory: str) -> list[str]:
+    """The files of a checkpoint folder that may leave it (upload, a merge's copy): weights, config, tokenizer
+    and processor files, ``sparsity.json`` and the model card (:data:`PUBLISHED_FILES`). Never a pickle
+    (``training_args.bin`` holds the Hub token), optimizer state, or a file outside the folder."""
+    names = sorted(n for n in os.listdir(directory) if PUBLISHED_FILES.match(n))
+    return [n for n in names if checkpoint_file(directory, n) is not None]
+
+
 def copy_companion_files(src: str, dst: str) -> None:
     """Copy a checkpoint's config and processor files (not its weights, sparsity.json or model card)."""
-    for name in os.listdir(src):
-        path = os.path.join(src, name)
-        if os.path.isfile(path) and not STALE_FILES.match(name) and name != CARD_NAME and not name.startswith("."):
-            shutil.copy2(path, os.path.join(dst, name))
+    for name in published_files(src):
+        if not STALE_FILES.match(name) and name != CARD_NAME and not name.endswith(".safetensors"):
+            shutil.copyfile(os.path.realpath(os.path.join(src, name)), os.path.join(dst, name))
 
 
 def write_sparsity(
@@ -185,4 +228,4 @@ def write_sparsity(
 
 def read_sparsity(folder: str) -> dict | None:
     """The ``sparsity.json`` record of a folder, or ``None`` if it has none."""
-    return read_json(os.path.join(folder, SPARSITY_NAME))
+    return read_json(checkpoint_file(folder, SPARSITY_NAME))

@@ -197,7 +197,8 @@ def merge_checkpoints(
         copy_companion_files(ref.directory, tmp)
         ref.family.write_config(tmp, format)
         recipe = dict((ref.info or {}).get("recipe") or {})
-        recipe.update(m=len(ckpts), merge_method=method, merged_from=[os.path.abspath(d) for d in inputs])
+        names = [os.path.basename(os.path.normpath(d)) for d in inputs]  # never a local absolute path
+        recipe.update(m=len(ckpts), merge_method=method, merged_from=names)
         info = write_sparsity(
             tmp,
             format=format,

@@ -11,7 +11,7 @@ import torch
 from .codec import decode_tensor, index_info, index_mask
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
 from .families import Family, family_of_config, get_family
-from .folder import read_json, read_sparsity, weight_files
+from .folder import checkpoint_file, read_json, read_sparsity, weight_files
 from .masks import MaskStats
 from .safetensors_io import SafetensorsFile, workers
 
@@ -32,7 +32,7 @@ class SparseCheckpoint:
             raise ValueError(f"{directory} is not a directory")
         self.directory = directory
         self.info = read_sparsity(directory)
-        self.config = read_json(os.path.join(directory, CONFIG_NAME))
+        self.config = read_json(checkpoint_file(directory, CONFIG_NAME))
         known = family_of_config(self.config)
         if self.info is not None:
             self.library, self.architecture = self.info.get("library"), self.info.get("architecture")

@@ -8,6 +8,7 @@ model is an ordinary dense model: the quantizer is not kept and the quantization
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import torch
@@ -29,6 +30,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .codec import decode_tensor
 from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD
+from .folder import checkpoint_file
 from .prefetch import Prefetcher
 from .safetensors_io import SafetensorsFile
 
@@ -134,7 +136,12 @@ class SparseCheckpointQuantizer(HfQuantizer):
         with torch.device("cpu"):  # called inside transformers' meta-device init context
             # Truncated or malformed files raise a clear ValueError here, before loading; decoding
             # (and the checksums) start on a thread pool while transformers prepares the rest.
-            files = [SafetensorsFile(p) for p in checkpoint_files or [] if p.endswith(".safetensors")]
+            paths = [p for p in checkpoint_files or [] if p.endswith(".safetensors")]
+            root = getattr(model.config, "_name_or_path", None)
+            if root and os.path.isdir(root):  # a local folder: an index naming "../x" never leads outside it
+                for p in paths:
+                    checkpoint_file(root, os.path.relpath(os.path.normpath(p), os.path.normpath(root)))
+            files = [SafetensorsFile(p) for p in paths]
             self._prefetch = Prefetcher(files)
         plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
         self._plan = (build_glob_alternation(list(plan)), plan) if plan else None
