@@ -8,6 +8,7 @@ from .hub import push_to_hub
 from .merge import MERGE_METHODS, greedy_soup, uniform_soup
 from .prunable import prunable_tensors
 from .pruning import PruningStep, apply_masks, compute_masks, phase_sparsities, prune, sparsity_report
+from .runtime import to_sparse_runtime
 from .schedules import RETRAIN_SCHEDULES
 from .sms import SparseModelSoup, run_sms
 from .trainer import SparseSoupTrainer
@@ -35,5 +36,6 @@ __all__ = [
     "run_sms",
     "save_sparse",
     "sparsity_report",
+    "to_sparse_runtime",
     "uniform_soup",
 ]

@@ -1,0 +1,15 @@
+"""A sparse inference runtime: pruned layers computed with sparse kernels, decided per layer by measurement."""
+
+from .convert import LAYOUTS, LayerChoice, RuntimeReport, time_pair, to_sparse_runtime
+from .layers import SemiStructuredLinear, SparseConv2d, SparseLinear
+
+__all__ = [
+    "LAYOUTS",
+    "LayerChoice",
+    "RuntimeReport",
+    "SemiStructuredLinear",
+    "SparseConv2d",
+    "SparseLinear",
+    "time_pair",
+    "to_sparse_runtime",
+]

@@ -1,0 +1,352 @@
+"""``to_sparse_runtime``: swap every pruned layer whose sparse product is faster for a sparse inference layer.
+
+Like torchao's ``sparsify_``: one entry point, a per-layer decision, in place. With ``layout="auto"`` each
+candidate layer is timed dense against sparse on the very input it gets from ``sample_input`` (interleaved
+repeats, medians) and swapped only where the sparse product wins by ``margin``; the whole model is timed
+both ways at the end and left dense if the runtime were slower. The decisions and timings are in
+``model.hf_sms_runtime`` (a :class:`RuntimeReport`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .layers import (
+    SemiStructuredLinear,
+    SparseConv2d,
+    SparseLinear,
+    check_csr_dtype,
+    check_semi_structured,
+    dense_module,
+    is_two_four,
+)
+
+logger = logging.getLogger("hf_sms")
+LAYOUTS = ("auto", "csr", "semi_structured", "dense")
+
+
+@dataclass
+class LayerChoice:
+    """What the runtime did with one prunable layer, and why."""
+
+    name: str
+    kind: str  # "linear" | "conv1x1" | "conv"
+    shape: tuple[int, ...]
+    sparsity: float
+    layout: str = "dense"  # what runs now: "csr" | "semi_structured" | "dense"
+    reason: str = ""
+    dense_ms: float | None = None
+    sparse_ms: float | None = None
+
+
+@dataclass
+class RuntimeReport:
+    """The per-layer decisions of :func:`to_sparse_runtime` and the whole model's timing on the sample."""
+
+    layout: str
+    device: str
+    threads: int
+    layers: list[LayerChoice] = field(default_factory=list)
+    dense_ms: float | None = None  # the whole model on the sample input, dense
+    runtime_ms: float | None = None  # and with the runtime's layers
+
+    @property
+    def speedup(self) -> float | None:
+        """Measured dense / runtime latency on the sample input, or ``None`` if not measured."""
+        return self.dense_ms / self.runtime_ms if self.dense_ms and self.runtime_ms else None
+
+    @property
+    def sparse_layers(self) -> list[LayerChoice]:
+        return [c for c in self.layers if c.layout != "dense"]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "speedup": self.speedup}
+
+    def table(self) -> str:
+        """A markdown table of every layer's decision, then the whole model's measured speedup."""
+        lines = ["| layer | kind | shape | sparsity | runs as | dense ms | sparse ms | why |", "|---" * 8 + "|"]
+        for c in self.layers:
+            ms = [f"{v:.3f}" if v is not None else "-" for v in (c.dense_ms, c.sparse_ms)]
+            lines.append(
+                f"| {c.name} | {c.kind} | {'x'.join(map(str, c.shape))} | {c.sparsity:.1%} | {c.layout} | "
+                f"{ms[0]} | {ms[1]} | {c.reason} |"
+            )
+        speed = f"{self.speedup:.2f}x" if self.speedup else "not measured"
+        lines.append(
+            f"\n{len(self.sparse_layers)} of {len(self.layers)} prunable layers sparse; whole model on the sample: "
+            f"{speed} ({self.device}, {self.threads} threads)"
+        )
+        return "\n".join(lines)
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(name, module, kind, 2-D weight)`` of every layer the runtime can compute sparsely."""
+    inside_mha = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and id(module) not in inside_mha:
+            out.append((name, module, "linear", module.weight))
+        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' GPT-2 layers: x @ W
+            out.append((name, module, "linear", module.weight.t()))
+        elif isinstance(module, nn.Conv2d):
+            kind = "conv1x1" if module.kernel_size == (1, 1) and module.padding == (0, 0) else "conv"
+            out.append((name, module, kind, module.weight.reshape(module.out_channels, -1)))
+    return out
+
+
+def _sparse_module(module: nn.Module, kind: str, weight: torch.Tensor, layout: str) -> nn.Module:
+    bias = getattr(module, "bias", None)
+    if layout == "semi_structured":
+        return SemiStructuredLinear(weight.detach(), bias)
+    if kind == "linear":
+        return SparseLinear.from_dense(weight.detach(), bias, transposed=weight is not getattr(module, "weight", None))
+    return SparseConv2d(module)
+
+
+def _unsupported(module: nn.Module, kind: str, weight: torch.Tensor, layout: str) -> str | None:
+    """Why ``module`` cannot run in ``layout`` (``None`` if it can)."""
+    if kind != "linear" and layout == "semi_structured":
+        return "2:4 kernels take linear layers only"
+    if kind != "linear" and (module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str)):
+        return "grouped, depthwise or non-zero-padded conv: no sparse product"
+    if layout == "semi_structured" and not is_two_four(weight):
+        return "not 2:4 sparse"
+    return None
+
+
+def _run(model: nn.Module, sample_input) -> None:
+    if callable(sample_input) and not isinstance(sample_input, nn.Module):
+        sample_input(model)
+    elif isinstance(sample_input, Mapping):
+        model(**sample_input)
+    elif isinstance(sample_input, (tuple, list)):
+        model(*sample_input)
+    else:
+        model(sample_input)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_pair(first: Callable[[], object], second: Callable[[], object], repeats: int, device) -> tuple[float, float]:
+    """Median milliseconds of two workloads timed side by side (interleaved, after one warm-up each)."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((first, times[0]), (second, times[1])):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            out.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+@dataclass
+class Swap:
+    """A layer the runtime may replace: the dense module (``None`` until needed, when loading sparse-first) and
+    the sparse one. ``dense_or_built`` rebuilds the dense module from the sparse weight when it is absent."""
+
+    dense: nn.Module | None
+    sparse: nn.Module
+
+    def dense_or_built(self) -> nn.Module:
+        return self.dense if self.dense is not None else dense_module(self.sparse)
+
+
+@torch.no_grad()  # not inference_mode: its tensors could not be used outside it afterwards
+def to_sparse_runtime(
+    model: nn.Module,
+    layout: str = "auto",
+    sample_input=None,
+    *,
+    min_sparsity: float = 0.5,
+    margin: float = 1.1,
+    repeats: int = 7,
+) -> nn.Module:
+    """Make a pruned model compute with sparse kernels, in place, for inference.
+
+    Every layer the pruner prunes and a sparse kernel can compute (``nn.Linear``, transformers' ``Conv1D``,
+    ``nn.Conv2d`` with ``groups=1``: 1x1 directly, kxk on unfolded patches) whose weight is at least
+    ``min_sparsity`` zeros is replaced by a :mod:`hf_sms.runtime.layers` module holding the sparse weight.
+    Embeddings stay dense (a lookup has no product to save), and so do ``nn.MultiheadAttention``'s
+    projections (it computes with its weights directly).
+
+    Args:
+        model: a pruned model (transformers, timm, smp or plain torch), in eval mode after conversion; every
+            parameter left dense stops requiring gradients.
+        layout: ``"auto"``: time each layer dense vs sparse on ``sample_input`` and keep the faster (on a
+            CUDA GPU of compute capability >= 8.0 also 2:4 ``semi_structured`` where the weights are 2:4);
+            ``"csr"``: every eligible layer as a CSR product; ``"semi_structured"``: every 2:4 linear layer with
+            torch's semi-structured kernels (fp16/bf16 on CUDA >= 8.0); ``"dense"``: change nothing.
+        sample_input: a batch as the model takes it (a dict of keyword arguments, a tensor or a tuple), or a
+            callable ``fn(model)`` that runs the workload to tune for (e.g. ``lambda m: m.generate(**batch)``:
+            decoding multiplies one row at a time). Needed by ``"auto"``; with it, every layout also
+            measures the whole model dense vs runtime.
+        min_sparsity: layers with fewer zeros stay dense (their sparse product cannot win).
+        margin: under ``"auto"``, a layer turns sparse only if its sparse product is this much faster.
+        repeats: timed repeats per layer and for the whole model (medians).
+
+    Returns:
+        ``model``, with ``model.hf_sms_runtime`` (a :class:`RuntimeReport`) saying what runs where.
+    """
+    device = check_request(model, layout, sample_input, min_sparsity)
+    report = RuntimeReport(layout, str(device), torch.get_num_threads())
+    model.hf_sms_runtime = report
+    if layout == "dense":
+        return model
+    was_training = model.training
+    model.eval()
+    use_semi = layout == "semi_structured" or (layout == "auto" and _semi_structured_device(device))
+    swaps: dict[str, Swap] = {}
+    for name, module, kind, weight in _candidates(model):
+        sparsity = float((weight == 0).float().mean())
+        target = "semi_structured" if use_semi and kind == "linear" and is_two_four(weight) else "csr"
+        if layout == "semi_structured":
+            target = "semi_structured"
+        choice = plan(report, name, module, kind, weight, sparsity, target, min_sparsity)
+        if choice.layout != "dense":
+            swaps[name] = Swap(module, _sparse_module(module, kind, weight, target))
+    if not swaps:
+        warnings.warn(
+            f"to_sparse_runtime: no layer of {type(model).__name__} is pruned to min_sparsity={min_sparsity} in a "
+            "form a sparse kernel computes; the model is unchanged (prune it first, e.g. hf_sms.prune)",
+            stacklevel=3,
+        )
+        model.train(was_training)
+        return model
+    finish(model, report, swaps, sample_input, margin, repeats, device, measure=sample_input is not None)
+    return model
+
+
+def check_request(model: nn.Module, layout: str, sample_input, min_sparsity: float) -> torch.device:
+    """Validate a runtime request before any work; returns the model's device."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "auto" and sample_input is None:
+        raise ValueError(
+            "layout='auto' times every layer on the input it gets: pass sample_input (a batch as the model takes "
+            "it, or a callable fn(model)), or choose layout='csr'"
+        )
+    if not 0.0 <= min_sparsity < 1.0:
+        raise ValueError(f"min_sparsity must be in [0, 1), got {min_sparsity}")
+    param = next((p for p in model.parameters() if p.device.type != "meta"), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if layout == "semi_structured" and not _semi_structured_device(device):
+        check_semi_structured(torch.zeros(0, device=device))  # raises with the fix
+    return device
+
+
+def _semi_structured_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def plan(report, name, module, kind, weight, sparsity, target, min_sparsity) -> LayerChoice:
+    """Record the layer in ``report`` and whether it may turn ``target``; raises where a forced layout cannot."""
+    choice = LayerChoice(name, kind, tuple(module.weight.shape), sparsity)
+    report.layers.append(choice)
+    why = _unsupported(module, kind, weight, target)
+    if report.layout == "semi_structured" and kind == "linear" and sparsity >= min_sparsity:
+        check_semi_structured(weight)  # a forced 2:4 layout refuses a mask that is not 2:4
+    if sparsity < min_sparsity:
+        choice.reason = f"sparsity below min_sparsity={min_sparsity}"
+    elif why:
+        choice.reason = why
+    else:
+        if target == "csr":
+            check_csr_dtype(weight.dtype, weight.device)
+        choice.layout, choice.reason = target, "forced by layout" if report.layout != "auto" else ""
+    return choice
+
+
+def finish(model, report, swaps: dict[str, Swap], sample_input, margin, repeats, device, measure: bool) -> None:
+    """Decide (``auto``), install the chosen modules, time the whole model if ``measure``, freeze the rest."""
+    by_name = {c.name: c for c in report.layers}
+    if report.layout == "auto":
+        _decide(model, swaps, by_name, sample_input, margin, repeats, device)
+    for name, swap in swaps.items():
+        _set(model, name, swap.sparse if by_name[name].layout != "dense" else swap.dense_or_built())
+    if measure:
+        _time_whole_model(model, swaps, by_name, report, sample_input, repeats, device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+
+
+def _decide(model, swaps: dict[str, Swap], by_name, sample_input, margin, repeats, device) -> None:
+    """Time each candidate dense vs sparse on the input it gets from ``sample_input``; keep the faster."""
+    seen: set[str] = set()
+
+    def hook(name):
+        def pre(module, args):
+            if name in seen or not args or not torch.is_tensor(args[0]):
+                return
+            seen.add(name)
+            x, swap, choice = args[0], swaps[name], by_name[name]
+            dense = swap.dense_or_built()  # one layer's dense weight at a time when loading sparse-first
+            dense_ms, sparse_ms = time_pair(lambda: dense.forward(x), lambda: swap.sparse(x), repeats, device)
+            choice.dense_ms, choice.sparse_ms = dense_ms, sparse_ms
+            expected, got = dense.forward(x), swap.sparse(x)
+            tol = 1e-2 if x.dtype in (torch.float16, torch.bfloat16) else 1e-4
+            if not torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol * float(expected.abs().max())):
+                choice.layout, choice.reason = "dense", "sparse output differs from dense (kept dense)"
+            elif sparse_ms * margin > dense_ms:
+                choice.layout, choice.reason = "dense", f"sparse not {margin}x faster on the sample"
+            else:
+                choice.reason = "faster on the sample"
+
+        return pre
+
+    # the hooks sit on whichever module the model holds now (dense, or sparse when loaded sparse-first)
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in swaps]
+    try:
+        _run(model, sample_input)
+    finally:
+        for h in handles:
+            h.remove()
+    for name in swaps:
+        if name not in seen:
+            by_name[name].layout, by_name[name].reason = "dense", "not called by the sample input"
+
+
+def _time_whole_model(model, swaps: dict[str, Swap], by_name, report, sample_input, repeats, device) -> None:
+    """Dense vs runtime latency of the whole model on the sample; a runtime slower than dense is undone."""
+    chosen = [n for n in swaps if by_name[n].layout != "dense"]
+    dense = {n: swaps[n].dense_or_built() for n in chosen}
+
+    def use(sparse: bool):
+        for name in chosen:
+            _set(model, name, swaps[name].sparse if sparse else dense[name])
+
+    def run_dense():
+        use(False)
+        _run(model, sample_input)
+
+    def run_runtime():
+        use(True)
+        _run(model, sample_input)
+
+    report.dense_ms, report.runtime_ms = time_pair(run_dense, run_runtime, max(3, repeats // 2), device)
+    if report.layout == "auto" and report.runtime_ms > report.dense_ms:
+        use(False)
+        for name in chosen:
+            by_name[name].layout, by_name[name].reason = "dense", "the whole model was slower with it"
+        logger.warning("[hf-sms] the sparse runtime was slower than dense on the sample; every layer stays dense")
+        report.runtime_ms = report.dense_ms
+    else:
+        use(True)

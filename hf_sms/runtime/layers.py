@@ -1,0 +1,293 @@
+"""Inference layers that compute with a sparse weight: one per pruned layer type, each a drop-in for the dense one.
+
+Every layer keeps what model code reads from the layer it replaces (``weight.dtype/.device/.shape``,
+``in_features``/``out_features``, ``bias``, a conv's ``in_channels``/``kernel_size``...), and its ``state_dict``
+holds the dense weight, so a runtime model's state dict equals the masked dense model's. They are for
+inference only: ``.train()`` and any forward that would need a gradient raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_TRAIN_ERROR = (
+    "a sparse runtime model is for inference only: train the masked dense model (SparseSoupTrainer), then "
+    "convert it again with hf_sms.to_sparse_runtime"
+)
+# The dtypes torch's CSR x dense product takes (CPU: MKL; CUDA: cuSPARSE); others raise at conversion.
+CSR_DTYPES = {
+    "cpu": (torch.float32, torch.float64),
+    "cuda": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+}
+
+
+def check_csr_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Raise if torch has no CSR matrix product for ``dtype`` on ``device``."""
+    supported = CSR_DTYPES.get(device.type, ())
+    if dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported) or "nothing"
+        raise ValueError(
+            f"the csr layout has no {device.type} kernel for {dtype} (it takes {names}): convert the model with "
+            "model.float() first, or keep it dense (layout='dense')"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_beta():
+    # torch marks CSR tensors "beta" on construction; the runtime uses only the long-stable CSR x dense product.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+        yield
+
+
+def to_csr(weight: torch.Tensor) -> torch.Tensor:
+    """A 2-D weight as a CSR tensor with 32-bit indices where they fit (half the index memory of int64)."""
+    with _quiet_beta():
+        csr = weight.detach().to_sparse_csr()
+    index = torch.int32 if weight.numel() < 2**31 else torch.int64
+    with _quiet_beta():
+        return torch.sparse_csr_tensor(
+            csr.crow_indices().to(index),
+            csr.col_indices().to(index),
+            csr.values(),
+            size=csr.shape,
+            check_invariants=False,  # built by torch from a dense tensor: valid by construction
+        )
+
+
+def csr_from_positions(positions: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A CSR matrix from the flat row-major positions of its nonzeros (increasing) and their values, never
+    materialising the dense matrix. The indices come from a file: torch checks them (a bad index would be a
+    memory error in the kernel, not an exception)."""
+    rows, cols = shape
+    index = torch.int32 if rows * cols < 2**31 else torch.int64
+    positions = positions.to(torch.int64)
+    crow = torch.zeros(rows + 1, dtype=torch.int64)
+    crow[1:] = torch.bincount(positions // cols, minlength=rows).cumsum(0)
+    with _quiet_beta():
+        return torch.sparse_csr_tensor(
+            crow.to(index), (positions % cols).to(index), values, size=shape, check_invariants=True
+        )
+
+
+def sparse_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a 2-D ``x`` of shape (rows, in) and a CSR ``weight`` of shape (out, in)."""
+    return torch.sparse.mm(weight, x.t()).t()
+
+
+class _InferenceOnly(nn.Module):
+    """Refuses training and gradients; stores the weight as a non-persistent CSR buffer, saves it dense."""
+
+    weight: torch.Tensor
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise RuntimeError(_TRAIN_ERROR)
+        return super().train(False)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError(_TRAIN_ERROR)
+        if x.dtype != self.weight.dtype:
+            raise ValueError(f"input of dtype {x.dtype} for a {self.weight.dtype} sparse layer: cast one to the other")
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as the dense layer held it (pruned entries zero)."""
+        return self.weight.to_dense()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.dense_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        key = prefix + "weight"
+        if key in state_dict:
+            dense = state_dict[key].to(self.weight.device, self.weight.dtype)
+            self.weight = self._compress(dense)
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        elif strict:
+            missing.append(key)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    def _compress(self, dense: torch.Tensor) -> torch.Tensor:
+        return to_csr(dense)
+
+
+class SparseLinear(_InferenceOnly):
+    """``y = x W^T + b`` with ``W`` in CSR (torch.sparse.mm). Also stands in for transformers' ``Conv1D``.
+
+    Args:
+        weight: the (out, in) weight as a CSR tensor.
+        bias: the bias, or ``None``.
+        transposed: the layer it replaces stores the weight as (in, out), as ``Conv1D`` does; its state dict
+            keeps that layout (``weight`` here is always (out, in)).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool = False):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.transposed = transposed
+        self.register_buffer("weight", weight, persistent=False)
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool = False) -> SparseLinear:
+        """From the (out, in) dense weight."""
+        return cls(to_csr(weight), bias, transposed)
+
+    def dense_weight(self) -> torch.Tensor:
+        dense = self.weight.to_dense()
+        return dense.t().contiguous() if self.transposed else dense
+
+    def _compress(self, dense: torch.Tensor) -> torch.Tensor:
+        return to_csr(dense.t() if self.transposed else dense)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        y = sparse_matmul(self.weight, x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        nnz = self.weight.values().numel()
+        return f"in_features={self.in_features}, out_features={self.out_features}, nnz={nnz}, layout=csr"
+
+
+class SparseConv2d(_InferenceOnly):
+    """A 2-D convolution as a CSR product: 1x1 kernels directly, kxk kernels on unfolded patches (im2col).
+
+    Args:
+        conv: the dense ``nn.Conv2d`` (zero padding, ``groups=1``) it replaces.
+    """
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ValueError("only groups=1 convolutions with numeric zero padding have a sparse product")
+        for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
+            setattr(self, attr, getattr(conv, attr))
+        self.padding_mode = "zeros"
+        self.register_buffer("weight", to_csr(conv.weight.detach().reshape(conv.out_channels, -1)), persistent=False)
+        self.bias = nn.Parameter(conv.bias.detach(), requires_grad=False) if conv.bias is not None else None
+
+    @property
+    def pointwise(self) -> bool:
+        return self.kernel_size == (1, 1) and self.padding == (0, 0)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.to_dense().reshape(self.out_channels, self.in_channels, *self.kernel_size)
+
+    def _compress(self, dense: torch.Tensor) -> torch.Tensor:
+        return to_csr(dense.reshape(self.out_channels, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        n = x.shape[0]
+        if self.pointwise:
+            x = x[:, :, :: self.stride[0], :: self.stride[1]]
+            h, w = x.shape[2:]
+            cols = x.permute(1, 0, 2, 3).reshape(self.in_channels, -1)  # (C, N*H*W)
+        else:
+            h, w = (
+                (size + 2 * p - d * (k - 1) - 1) // s + 1
+                for size, p, d, k, s in zip(x.shape[2:], self.padding, self.dilation, self.kernel_size, self.stride)
+            )
+            patches = F.unfold(x, self.kernel_size, self.dilation, self.padding, self.stride)  # (N, C*k*k, L)
+            cols = patches.permute(1, 0, 2).reshape(patches.shape[1], -1)
+        y = torch.sparse.mm(self.weight, cols)  # (out, N*L)
+        if self.bias is not None:
+            y = y + self.bias[:, None]
+        return y.reshape(self.out_channels, n, h, w).permute(1, 0, 2, 3)
+
+    def extra_repr(self) -> str:
+        nnz = self.weight.values().numel()
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"nnz={nnz}, layout=csr"
+        )
+
+
+def is_two_four(weight: torch.Tensor) -> bool:
+    """Whether every group of 4 consecutive inputs of a 2-D weight holds at most 2 nonzeros."""
+    return weight.shape[-1] % 4 == 0 and bool(((weight != 0).reshape(-1, 4).sum(-1) <= 2).all())
+
+
+class SemiStructuredLinear(_InferenceOnly):
+    """``y = x W^T + b`` with ``W`` as torch's 2:4 semi-structured tensor (CUDA compute capability >= 8.0).
+
+    Args:
+        weight: the dense (out, in) weight, 2:4 sparse along its inputs, fp16 or bf16, on a supported GPU.
+        bias: the bias, or ``None``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        check_semi_structured(weight)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", self._compress(weight), persistent=False)
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+
+    def _compress(self, dense: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.to_sparse_semi_structured(dense.detach().contiguous())
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+def check_semi_structured(weight: torch.Tensor) -> None:
+    """Raise, saying how to fix it, unless ``weight`` can become a 2:4 semi-structured tensor here."""
+    if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) < (8, 0):
+        raise ValueError(
+            "layout='semi_structured' needs the model on a CUDA GPU of compute capability >= 8.0 (Ampere or "
+            "newer); move it there with model.cuda(), or use layout='csr' (CPU and GPU)"
+        )
+    if weight.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"layout='semi_structured' takes float16 or bfloat16 weights, not {weight.dtype}: call "
+            "model.to(torch.bfloat16) first"
+        )
+    if not is_two_four(weight):
+        raise ValueError(
+            "layout='semi_structured' needs 2:4 sparse weights (at most 2 nonzeros in every 4 consecutive "
+            "inputs): prune with allocation='2:4'"
+        )
+    out, inp = weight.shape
+    if out % 32 or inp % 64:
+        raise ValueError(f"a {tuple(weight.shape)} weight is not a multiple of (32, 64), which 2:4 kernels need")
+
+
+def dense_module(sparse: nn.Module) -> nn.Module:
+    """The dense layer a runtime layer stands for (weights equal), e.g. to time it or to fall back to it."""
+    weight = sparse.dense_weight()
+    bias = sparse.bias
+    if isinstance(sparse, SparseConv2d):
+        out = nn.Conv2d(
+            sparse.in_channels,
+            sparse.out_channels,
+            sparse.kernel_size,
+            sparse.stride,
+            sparse.padding,
+            sparse.dilation,
+            bias=bias is not None,
+            device="meta",
+        )
+    elif getattr(sparse, "transposed", False):
+        from transformers.pytorch_utils import Conv1D
+
+        out = Conv1D(sparse.out_features, sparse.in_features).to("meta")
+    else:
+        out = nn.Linear(sparse.in_features, sparse.out_features, bias=bias is not None, device="meta")
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return out.eval()

@@ -1,0 +1,167 @@
+"""The sparse inference runtime: same outputs as the masked dense model for every family, per-layer decisions,
+inference only, and clear errors for what it cannot do."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_resnet, make_t5
+from torch import nn
+
+from hf_sms import apply_masks, compute_masks, to_sparse_runtime
+from hf_sms.runtime import SparseConv2d, SparseLinear
+
+ATOL = 1e-5  # fp32: the sparse product sums the same terms in another order
+
+
+def _pruned(model: nn.Module, sparsity: float = 0.9) -> nn.Module:
+    apply_masks(model, compute_masks(model, sparsity, "uniform"))
+    return model.eval()
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _smp():
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(0)
+    return smp.PSPNet(encoder_name="resnet18", encoder_weights=None, encoder_depth=3, classes=2, psp_out_channels=16)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=384, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1)
+    return GPT2LMHeadModel(config)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-4, atol=ATOL * max(1.0, float(b.detach().abs().max())))
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+IDS = torch.randint(2, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+CASES = {  # name: (model factory, sample input)
+    "mlp": (_mlp, torch.randn(8, 64)),
+    "timm": (make_resnet, torch.randn(2, 3, 32, 32)),
+    "smp": (_smp, torch.randn(2, 3, 32, 32)),
+    "t5": (make_t5, {"input_ids": IDS, "decoder_input_ids": IDS[:, :6]}),
+    "gpt2": (_gpt2, {"input_ids": IDS}),
+}
+
+
+def _run(model, sample):
+    return _logits(model(**sample) if isinstance(sample, dict) else model(sample))
+
+
+@pytest.mark.parametrize("layout", ["csr", "auto"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_runtime_equals_the_masked_dense_model(case, layout):
+    make, sample = CASES[case]
+    dense = _pruned(make())
+    runtime = to_sparse_runtime(copy.deepcopy(dense), layout, sample)
+    report = runtime.hf_sms_runtime
+    if layout == "csr":  # every prunable layer computes sparsely
+        assert report.layers and all(c.layout == "csr" for c in report.layers)
+        assert any(isinstance(m, (SparseLinear, SparseConv2d)) for m in runtime.modules())
+    assert report.dense_ms > 0 and report.runtime_ms > 0  # measured on the sample, both ways
+    with torch.inference_mode():
+        assert _close(_run(runtime, sample), _run(dense, sample))
+    with torch.no_grad():
+        assert _close(_run(runtime, sample), _run(dense, sample))
+    assert runtime.state_dict().keys() == dense.state_dict().keys()  # saves as the masked dense model
+    assert all(torch.equal(runtime.state_dict()[k], v) for k, v in dense.state_dict().items())
+
+
+def test_generate_gives_the_same_tokens():
+    dense = _pruned(make_t5())
+    runtime = to_sparse_runtime(copy.deepcopy(dense), "csr", lambda m: m.generate(input_ids=IDS, max_new_tokens=4))
+    kwargs = {"input_ids": IDS, "max_new_tokens": 10, "do_sample": False}
+    assert torch.equal(runtime.generate(**kwargs), dense.generate(**kwargs))
+
+
+def test_a_transformers_pipeline_runs_on_the_runtime():
+    from transformers import ByT5Tokenizer, pipeline
+
+    dense = _pruned(_gpt2())
+    runtime = to_sparse_runtime(copy.deepcopy(dense), "csr", {"input_ids": IDS})
+    assert any(isinstance(m, SparseLinear) for m in runtime.modules())  # GPT-2's Conv1D layers
+    tokenizer = ByT5Tokenizer()
+    outputs = [
+        pipeline("text-generation", model=m, tokenizer=tokenizer, device="cpu")(
+            "sparse", max_new_tokens=5, do_sample=False
+        )[0]["generated_text"]
+        for m in (runtime, dense)
+    ]
+    assert outputs[0] == outputs[1]
+
+
+def test_auto_keeps_dense_what_does_not_win_and_reports_why():
+    model = _pruned(_mlp())
+    with torch.no_grad():
+        model[4].weight.copy_(torch.randn_like(model[4].weight))  # the head: dense again
+    # margin=inf: no sparse product is "that much faster", so every timed layer falls back to dense
+    runtime = to_sparse_runtime(copy.deepcopy(model), "auto", torch.randn(4, 64), margin=float("inf"))
+    reasons = {c.name: (c.layout, c.reason) for c in runtime.hf_sms_runtime.layers}
+    assert reasons["4"] == ("dense", "sparsity below min_sparsity=0.5")
+    assert reasons["0"][0] == "dense" and "faster" in reasons["0"][1]
+    assert runtime.hf_sms_runtime.layers[0].dense_ms is not None and runtime.hf_sms_runtime.layers[0].sparse_ms
+    assert not any(isinstance(m, SparseLinear) for m in runtime.modules())
+    # a layer the sample never reaches stays dense under auto
+    branchy = nn.ModuleDict({"used": nn.Linear(1024, 1024), "unused": nn.Linear(64, 256)})
+    _pruned(branchy, 0.98)  # so sparse wins clearly on "used"
+    to_sparse_runtime(branchy, "auto", lambda m: m["used"](torch.randn(16, 1024)))
+    layouts = {c.name: (c.layout, c.reason) for c in branchy.hf_sms_runtime.layers}
+    assert layouts["unused"] == ("dense", "not called by the sample input") and layouts["used"][0] == "csr"
+    assert isinstance(branchy["used"], SparseLinear) and isinstance(branchy["unused"], nn.Linear)
+
+
+def test_inference_only():
+    runtime = to_sparse_runtime(_pruned(_mlp()), "csr")
+    with pytest.raises(RuntimeError, match="inference only"):
+        runtime.train()
+    x = torch.randn(2, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="train the masked dense model"):
+        runtime(x)
+    assert not any(p.requires_grad for p in runtime.parameters())
+    runtime(torch.randn(2, 64))  # plain calls work without no_grad
+    runtime.eval()
+
+
+def test_bad_input_gets_clear_errors():
+    with pytest.warns(UserWarning, match="unchanged"):
+        dense = _mlp()
+        assert to_sparse_runtime(dense, "csr") is dense and isinstance(dense[0], nn.Linear)
+    with pytest.raises(ValueError, match="sample_input"):
+        to_sparse_runtime(_pruned(_mlp()), "auto")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        to_sparse_runtime(_pruned(_mlp()), "coo")
+    with pytest.raises(ValueError, match=r"no cpu kernel for torch.bfloat16.*model.float\(\)"):
+        to_sparse_runtime(_pruned(_mlp()).to(torch.bfloat16), "csr")
+    with pytest.raises(ValueError, match="CUDA GPU of compute capability >= 8.0"):
+        to_sparse_runtime(_pruned(_mlp()), "semi_structured")
+    assert to_sparse_runtime(_pruned(_mlp()), "dense")[0].__class__ is nn.Linear
+
+
+def test_semi_structured_refuses_a_mask_that_is_not_two_four():
+    from hf_sms.runtime.layers import is_two_four
+
+    w = torch.tensor([[1.0, 2.0, 0.0, 0.0, 0.0, 3.0, 4.0, 0.0]])
+    assert is_two_four(w) and not is_two_four(torch.tensor([[1.0, 2.0, 3.0, 0.0]]))
+
+
+def test_state_dict_round_trips_into_the_runtime():
+    dense, other = _pruned(_mlp(0)), _pruned(_mlp(1))
+    runtime = to_sparse_runtime(copy.deepcopy(dense), "csr")
+    runtime.load_state_dict(other.state_dict())
+    x = torch.randn(3, 64)
+    assert _close(runtime(x), other(x))
