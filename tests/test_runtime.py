@@ -165,3 +165,44 @@ def test_state_dict_round_trips_into_the_runtime():
     runtime.load_state_dict(other.state_dict())
     x = torch.randn(3, 64)
     assert _close(runtime(x), other(x))
+
+
+# -- loading straight into the runtime ---------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_load_sparse_builds_the_runtime_from_stored_positions(tmp_path, case, monkeypatch):
+    from hf_sms import load_sparse, save_sparse
+    from hf_sms.checkpoint import SparseCheckpoint
+
+    make, sample = CASES[case]
+    dense = _pruned(make())
+    save_sparse(dense, str(tmp_path / "ckpt"))
+    read_dense = []
+    original = SparseCheckpoint.read
+    monkeypatch.setattr(SparseCheckpoint, "read", lambda self, name: read_dense.append(name) or original(self, name))
+    template = _mlp(seed=5) if case == "mlp" else None  # plain torch needs a template
+    runtime = load_sparse(str(tmp_path / "ckpt"), template, runtime="csr")
+    sparse = {n: m for n, m in runtime.named_modules() if isinstance(m, (SparseLinear, SparseConv2d))}
+    assert sparse and not [n for n in read_dense if n.removesuffix(".weight") in sparse]  # never read dense
+    for name, module in sparse.items():  # each holds exactly the stored nonzeros, as CSR
+        assert module.weight.layout == torch.sparse_csr
+        stored = dict(dense.named_modules())[name].weight
+        assert module.weight.values().numel() == int((stored != 0).sum())
+    with torch.no_grad():
+        assert _close(_run(runtime, sample), _run(dense, sample))
+    auto = load_sparse(
+        str(tmp_path / "ckpt"), _mlp(seed=5) if case == "mlp" else None, runtime="auto", sample_input=sample
+    )
+    with torch.no_grad():
+        assert _close(_run(auto, sample), _run(dense, sample))
+    timed = [c for c in auto.hf_sms_runtime.layers if c.dense_ms is not None]
+    assert timed and all(c.sparse_ms is not None for c in timed)  # decided by measurement, layer by layer
+
+
+def test_load_sparse_into_the_runtime_refuses_what_it_cannot(tmp_path):
+    from hf_sms import load_sparse, save_sparse
+
+    save_sparse(_pruned(make_t5()), str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="not a loading layout"):
+        load_sparse(str(tmp_path / "ckpt"), runtime="semi_structured")
+    with pytest.raises(ValueError, match="sample_input"):
+        load_sparse(str(tmp_path / "ckpt"), runtime="auto")

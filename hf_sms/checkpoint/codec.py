@@ -203,6 +203,20 @@ def decode_tensor(values: torch.Tensor, index: torch.Tensor, name: str = "tensor
     return out.reshape(head["shape"]).to(device)
 
 
+def decode_positions(values: torch.Tensor, index: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, dict]:
+    """The flat row-major positions (int64, increasing) of an encoded tensor's stored values, checksum
+    verified, without materialising the dense tensor. Returns ``(positions, header)``; for the DENSE codec
+    (every value stored) the positions of its nonzeros."""
+    head, payload = parse_index(index, name)
+    values = values.detach().to("cpu").contiguous().reshape(-1)
+    if values.numel() != head["nnz"] or zlib.crc32(payload, zlib.crc32(_bytes_of(values))) != head["crc"]:
+        raise ValueError(f"checksum or size mismatch in {name!r}: the checkpoint is corrupted; re-save or re-download")
+    pos = _positions(head, payload, name)
+    if pos is None:
+        return torch.nonzero(values).reshape(-1), head
+    return torch.from_numpy(pos.astype(np.int64, copy=False)), head
+
+
 def index_mask(index: torch.Tensor, name: str = "tensor") -> torch.Tensor | None:
     """The bool mask (True = stored) an index describes, without the values; ``None`` for DENSE."""
     head, payload = parse_index(index, name)

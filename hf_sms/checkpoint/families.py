@@ -59,6 +59,9 @@ class Family:
         """A model of the checkpoint's architecture, with initial weights."""
         raise NotImplementedError
 
+    def tie_weights(self, model: nn.Module) -> None:
+        """Share the tensors the model ties (after it was built on the meta device, where ties are lost)."""
+
     def build(self, ckpt: SparseCheckpoint, state_dict: dict, **kwargs) -> nn.Module:
         """The model of a checkpoint with ``state_dict`` (its decoded tensors) loaded strictly."""
         return load_into(self.instantiate(ckpt, **kwargs), state_dict, ckpt.aliases)
@@ -131,7 +134,8 @@ class TransformersFamily(Family):
             del model.should_save_on_this_rank
         return type(model).__name__, {}
 
-    def build(self, ckpt, state_dict, **kwargs):
+    @staticmethod
+    def _class_and_config(ckpt):
         import transformers
 
         # never run code a folder names in auto_map, and never ask about it at a prompt
@@ -141,6 +145,17 @@ class TransformersFamily(Family):
         cls = getattr(transformers, ckpt.architecture, None)
         if cls is None:
             raise ValueError(f"transformers has no class {ckpt.architecture!r}; pass model=<template> instead")
+        return cls, config
+
+    def instantiate(self, ckpt, **kwargs):
+        cls, config = self._class_and_config(ckpt)
+        return cls._from_config(config, **kwargs)
+
+    def tie_weights(self, model):
+        model.tie_weights()  # from_pretrained ties after loading; a model built on the meta device, before
+
+    def build(self, ckpt, state_dict, **kwargs):
+        cls, config = self._class_and_config(ckpt)
         # transformers applies its own key renaming to the names the checkpoint was saved with.
         model, info = cls.from_pretrained(
             None, config=config, state_dict=state_dict, output_loading_info=True, **kwargs

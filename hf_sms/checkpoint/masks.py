@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from .constants import SPARSITY_NAME
+
+if TYPE_CHECKING:
+    from .reader import SparseCheckpoint  # reader imports this module
 
 
 def eligible(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> bool:
@@ -84,3 +90,29 @@ class MaskStats:
             "mask_hash": "sha256:" + h.hexdigest(),
             "per_tensor": {n: self.per_tensor[n] for n in names},
         }
+
+
+def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | None) -> None:
+    """Raise if the loaded weights (``None``: the stored ones, read from their indices) do not have the mask
+    hash recorded in ``sparsity.json``."""
+    expected = (ckpt.info or {}).get("mask_hash")
+    if not expected:
+        return
+    # The hash covers the tensors the saver counted; recomputing over the same names keeps checkpoints
+    # valid when the eligibility rule grows (e.g. MultiheadAttention's in_proj_weight).
+    recorded = (ckpt.info or {}).get("per_tensor")
+    names = (
+        list(recorded) if recorded is not None else [n for n, t in state_dict.items() if eligible(n, t.shape, t.dtype)]
+    )
+    stats = MaskStats()
+    stored = set(ckpt.names())
+    for name in names:
+        if state_dict is None and name in stored:
+            stats.add(name, ckpt.mask(name), "")
+        elif state_dict is not None and name in state_dict:
+            stats.add(name, state_dict[name] != 0, "")
+    if len(stats.per_tensor) != len(names) or stats.summary()["mask_hash"] != expected:
+        raise ValueError(
+            f"the weights of {ckpt.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
+            "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
+        )

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .codec import decode_tensor, index_info, index_mask
+from .codec import DENSE, decode_positions, decode_tensor, index_info, index_mask
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
 from .families import Family, family_of_config, get_family
 from .folder import checkpoint_file, read_json, read_sparsity, weight_files
@@ -93,6 +93,21 @@ class SparseCheckpoint:
         """The dense tensor."""
         enc = self.read_encoded(name)
         return self.read_raw(name) if enc is None else decode_tensor(*enc, name=name)
+
+    def read_sparse(self, name: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """``(positions, values, shape)``: the nonzeros of a tensor by flat row-major position. An encoded tensor
+        is never made dense; a dense-stored one is read and its zeros dropped."""
+        enc = self.read_encoded(name)
+        if enc is None:
+            dense = self.read_raw(name)
+            flat = dense.reshape(-1)
+            positions = torch.nonzero(flat).reshape(-1)
+            return positions, flat[positions], tuple(dense.shape)
+        values, index = enc
+        positions, head = decode_positions(values, index, name)
+        if head["codec"] == DENSE:
+            values = values.reshape(-1)[positions]
+        return positions, values.reshape(-1), tuple(head["shape"])
 
     def chunk_reader(self, name: str) -> Callable[[int, int], torch.Tensor]:
         """``read(start, stop)``: a slice of the flattened tensor; reads only that slice if stored dense."""

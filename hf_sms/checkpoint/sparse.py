@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 
-import torch
 from torch import nn
 
-from .constants import FORMATS, INDEX_NAME, SPARSITY_NAME, WEIGHTS_NAME
+from .constants import FORMATS, INDEX_NAME, WEIGHTS_NAME
 from .families import family_of_model
 from .folder import atomic_folder, weight_files, write_sparsity
-from .masks import MaskStats, eligible
+from .masks import MaskStats, check_masks, eligible
 from .reader import SparseCheckpoint
+from .runtime_load import load_runtime
 from .safetensors_io import SafetensorsFile, WeightsWriter
 from .state import load_into
 
@@ -91,35 +91,27 @@ def save_sparse(
     return directory
 
 
-def _check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor]) -> None:
-    """Raise if the loaded weights do not have the mask hash recorded in ``sparsity.json``."""
-    expected = (ckpt.info or {}).get("mask_hash")
-    if not expected:
-        return
-    # The hash covers the tensors the saver counted; recomputing over the same names keeps checkpoints
-    # valid when the eligibility rule grows (e.g. MultiheadAttention's in_proj_weight).
-    recorded = (ckpt.info or {}).get("per_tensor")
-    names = (
-        list(recorded) if recorded is not None else [n for n, t in state_dict.items() if eligible(n, t.shape, t.dtype)]
-    )
-    stats = MaskStats()
-    for name in names:
-        if name in state_dict:
-            stats.add(name, state_dict[name] != 0, "")
-    if len(stats.per_tensor) != len(names) or stats.summary()["mask_hash"] != expected:
-        raise ValueError(
-            f"the weights of {ckpt.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
-            "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
-        )
-
-
-def load_sparse(directory: str, model: nn.Module | None = None, *, verify: bool = True, **kwargs) -> nn.Module:
+def load_sparse(
+    directory: str,
+    model: nn.Module | None = None,
+    *,
+    verify: bool = True,
+    runtime: str | None = None,
+    sample_input=None,
+    min_sparsity: float = 0.5,
+    **kwargs,
+) -> nn.Module:
     """Load a checkpoint folder written by :func:`save_sparse` (either format) or by a family's own saver.
 
     Args:
         directory: the folder.
         model: a template to load into (required for plain torch models); loaded strictly, in place.
         verify: check the loaded masks against the hash in ``sparsity.json``.
+        runtime: ``None``: an ordinary dense model. ``"csr"`` / ``"auto"``: straight into the sparse inference
+            runtime (:func:`hf_sms.to_sparse_runtime`): every pruned layer is built from the stored positions and
+            values, never as a dense tensor; ``"auto"`` then times each one dense vs sparse on ``sample_input``
+            (one layer densified at a time) and keeps the faster. Inference only.
+        sample_input, min_sparsity: as in :func:`hf_sms.to_sparse_runtime`.
         **kwargs: passed to the family's constructor (``from_pretrained`` for transformers,
             ``timm.create_model`` for timm, the model class for smp).
 
@@ -127,9 +119,11 @@ def load_sparse(directory: str, model: nn.Module | None = None, *, verify: bool 
         The model, in eval mode. Raises ``ValueError`` if a tensor is missing, unexpected, misshapen or corrupted.
     """
     ckpt = SparseCheckpoint(directory)
+    if runtime is not None:
+        return load_runtime(ckpt, model, runtime, sample_input, min_sparsity, verify, **kwargs)
     state_dict = ckpt.state_dict()
     if verify:
-        _check_masks(ckpt, state_dict)
+        check_masks(ckpt, state_dict)
     if model is not None:
         return load_into(model, state_dict, ckpt.aliases).eval()
     return ckpt.family.build(ckpt, state_dict, **kwargs).eval()

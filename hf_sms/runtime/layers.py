@@ -168,13 +168,26 @@ class SparseConv2d(_InferenceOnly):
 
     def __init__(self, conv: nn.Conv2d):
         super().__init__()
+        self._geometry(conv)
+        self.register_buffer("weight", to_csr(conv.weight.detach().reshape(conv.out_channels, -1)), persistent=False)
+        self.bias = nn.Parameter(conv.bias.detach(), requires_grad=False) if conv.bias is not None else None
+
+    @classmethod
+    def from_csr(cls, conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor | None) -> SparseConv2d:
+        """From a CSR (out, in * kh * kw) weight; ``conv`` (possibly on the meta device) gives the geometry."""
+        layer = cls.__new__(cls)
+        _InferenceOnly.__init__(layer)
+        layer._geometry(conv)
+        layer.register_buffer("weight", weight, persistent=False)
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+        return layer
+
+    def _geometry(self, conv: nn.Conv2d) -> None:
         if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
             raise ValueError("only groups=1 convolutions with numeric zero padding have a sparse product")
         for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
             setattr(self, attr, getattr(conv, attr))
         self.padding_mode = "zeros"
-        self.register_buffer("weight", to_csr(conv.weight.detach().reshape(conv.out_channels, -1)), persistent=False)
-        self.bias = nn.Parameter(conv.bias.detach(), requires_grad=False) if conv.bias is not None else None
 
     @property
     def pointwise(self) -> bool:

@@ -1,0 +1,162 @@
+"""Load a checkpoint straight into the sparse runtime: pruned layers are built from the stored positions and
+values, never as dense tensors, so a soup loads in about the memory and time its nonzeros take.
+
+The model is built with its parameters on the meta device (accelerate's ``init_empty_weights``; buffers are
+made normally, so the ones a checkpoint does not hold, e.g. rotary frequencies, are right), then every
+prunable layer that qualifies becomes a :mod:`hf_sms.runtime` layer from its CSR positions, and every other
+tensor is read dense. Tensors the model ties together (T5's embedding and ``lm_head``) stay tied.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+
+from ..runtime import RuntimeReport
+from ..runtime.convert import Swap, _candidates, _set, check_request, finish, plan
+from ..runtime.layers import SparseConv2d, SparseLinear, csr_from_positions
+from .masks import check_masks
+from .reader import SparseCheckpoint
+
+
+def _tensor_keys(model: nn.Module, ckpt: SparseCheckpoint) -> dict[str, str]:
+    """``{model tensor name: checkpoint key}``, tied names sharing their group's stored key."""
+    stored = set(ckpt.names())
+    aliases = ckpt.aliases or {}
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, t in model.named_parameters(remove_duplicate=False):
+        groups[id(t)].append(name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        if name in model.state_dict():  # persistent buffers only: the others are made by the model
+            groups[id(t)].append(name)
+    keys = {}
+    for names in groups.values():
+        key = next((n for n in names if n in stored), None) or next(
+            (aliases[n] for n in names if aliases.get(n) in stored), None
+        )
+        if key is None:
+            raise ValueError(
+                f"{ckpt.directory} holds no tensor for {names[0]!r}; it was saved from another architecture or "
+                "with other names: load it with runtime=None, or re-save it with save_sparse"
+            )
+        keys.update(dict.fromkeys(names, key))
+    return keys
+
+
+def _transposed(positions: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]):
+    """Positions and values of the (cols, rows) transpose of a (rows, cols) matrix, in row-major order."""
+    rows, cols = shape
+    moved = (positions % cols) * rows + positions // cols
+    order = torch.argsort(moved)
+    return moved[order], values[order], (cols, rows)
+
+
+@torch.no_grad()
+def load_runtime(
+    ckpt: SparseCheckpoint,
+    model: nn.Module | None,
+    layout: str,
+    sample_input=None,
+    min_sparsity: float = 0.5,
+    verify: bool = True,
+    **kwargs,
+) -> nn.Module:
+    """The model of ``ckpt`` with its pruned layers in the sparse runtime (see :func:`hf_sms.load_sparse`)."""
+    if layout == "semi_structured":  # 2:4 kernels compress dense GPU weights: load, move, then convert
+        raise ValueError(
+            "load_sparse(runtime='semi_structured') is not a loading layout: load with runtime=None, move the model "
+            "to the GPU in fp16/bf16, then call hf_sms.to_sparse_runtime(model, 'semi_structured')"
+        )
+    if verify:
+        check_masks(ckpt, None)
+    if model is None:
+        with init_empty_weights(include_buffers=False):
+            model = ckpt.family.instantiate(ckpt, **kwargs)
+        ckpt.family.tie_weights(model)  # outside: init_empty_weights re-creates every parameter it sees set
+    model.eval()  # before any sample runs: BatchNorm statistics must not move
+    device = check_request(model, layout, sample_input, min_sparsity)
+    report = RuntimeReport(layout, str(device), torch.get_num_threads())
+    keys = _tensor_keys(model, ckpt)
+    swaps: dict[str, Swap] = {}
+    done: set[str] = set()  # model tensor names already in place
+    for name, module, kind, weight in [] if layout == "dense" else _candidates(model):
+        key = keys[f"{name}.weight"]
+        positions, values, shape = ckpt.read_sparse(key)
+        sparsity = 1.0 - positions.numel() / max(weight.numel(), 1)
+        choice = plan(report, name, module, kind, _Shape(weight, values), sparsity, "csr", min_sparsity)
+        if choice.layout == "dense":
+            continue
+        matrix = (shape[0], weight.numel() // shape[0])
+        transposed = type(module).__name__ == "Conv1D"  # stores (in, out); the runtime multiplies by (out, in)
+        if transposed:
+            positions, values, matrix = _transposed(positions, values, matrix)
+        csr = csr_from_positions(positions, values, matrix)
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            bias = ckpt.read(keys[f"{name}.bias"])
+            done.add(f"{name}.bias")
+        if kind == "linear":
+            sparse = SparseLinear(csr, bias, transposed)
+        else:
+            sparse = SparseConv2d.from_csr(module, csr, bias)
+        _set(model, name, sparse)
+        swaps[name] = Swap(None, sparse)
+        done.add(f"{name}.weight")
+    _load_dense_rest(model, ckpt, keys, done)
+    model.hf_sms_runtime = report
+    if not swaps:
+        model.eval()
+        return model
+    finish(model, report, swaps, sample_input, 1.1, 7, device, measure=False)
+    return model
+
+
+class _Shape:
+    """What :func:`plan` reads of a weight it must not see dense: shape, dtype, device and the 2:4 test."""
+
+    def __init__(self, weight: torch.Tensor, values: torch.Tensor):
+        self.shape, self.dtype, self.device = weight.shape, values.dtype, values.device
+
+    def __eq__(self, other):  # plan() only calls is_two_four on linear layers under semi_structured layouts
+        raise TypeError("not available for a weight loaded sparse-first")
+
+
+def _own_tensors(model: nn.Module):
+    """``(owner, attr, full name, tensor)`` of every parameter and persistent buffer outside runtime layers
+    (whose ``state_dict`` would densify them)."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, (SparseLinear, SparseConv2d)):
+            continue
+        tensors = list(module._parameters.items())
+        tensors += [(k, v) for k, v in module._buffers.items() if k not in module._non_persistent_buffers_set]
+        for attr, t in tensors:
+            if t is not None:
+                yield module, attr, f"{prefix}.{attr}" if prefix else attr, t
+
+
+def _load_dense_rest(model: nn.Module, ckpt: SparseCheckpoint, keys: dict[str, str], done: set[str]) -> None:
+    """Read every tensor not yet in place into the model, dense; tied names get one shared tensor."""
+    loaded: dict[str, torch.Tensor] = {}
+    for owner, attr, name, current in list(_own_tensors(model)):
+        if name in done:
+            continue
+        key = keys[name]
+        if key not in loaded:
+            tensor = ckpt.read(key)
+            if tuple(current.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(current.shape)}; re-save it"
+                )
+            if isinstance(current, nn.Parameter):
+                tensor = nn.Parameter(tensor, requires_grad=False)
+            loaded[key] = tensor
+        if isinstance(current, nn.Parameter):
+            owner._parameters[attr] = loaded[key]
+        else:
+            owner._buffers[attr] = loaded[key].to(current.dtype)
+    left = [name for _, _, name, t in _own_tensors(model) if t.device.type == "meta"]
+    if left:
+        raise ValueError(f"{ckpt.directory} lacks {len(left)} tensors of the model, e.g. {left[:5]}; re-save it")
