@@ -8,7 +8,9 @@ layers use it in which order (see :func:`hf_sms.prunable.first_use`).
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 import warnings
 from collections.abc import Callable
 
@@ -166,3 +168,62 @@ def filter_l2(tensors, weights, masks, sparsity):
 def filter_l1(tensors, weights, masks, sparsity):
     """As ``filter_l2`` but scoring filters by their L1 norm, Li et al. 2017's own criterion (their §3.1)."""
     return _filter_prune(tensors, weights, masks, sparsity, p=1)
+
+
+_N_OF_M = re.compile(r"(\d+):(\d+)")
+
+
+def parse_n_of_m(name: str) -> tuple[int, int] | None:
+    """``(n, m)`` of an allocation named ``"n:m"`` (e.g. ``"2:4"``), ``None`` for any other name."""
+    match = _N_OF_M.fullmatch(name.strip()) if isinstance(name, str) else None
+    if match is None:
+        return None
+    n, m = int(match[1]), int(match[2])
+    if not 0 < n < m:
+        raise ValueError(f"allocation={name!r}: n:m sparsity keeps n of every m weights, so it needs 0 < n < m")
+    return n, m
+
+
+def get_allocation(name: str) -> Allocation:
+    """The allocation called ``name``: a registered one, or ``"n:m"`` (:func:`n_of_m`); else a clear error."""
+    nm = parse_n_of_m(name)
+    if nm is not None:
+        return functools.partial(n_of_m, n=nm[0], m=nm[1])
+    if name not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {name!r}; choose one of {sorted(ALLOCATIONS)} or 'n:m' (e.g. '2:4')")
+    return ALLOCATIONS[name]
+
+
+def n_of_m(tensors, weights, masks, sparsity, *, n: int, m: int) -> Masks:
+    """n:m sparsity (Mishra et al. 2021; Zhou et al. 2021): in every group of ``m`` consecutive input weights of a
+    linear layer (``nn.Linear``, attention projections, transformers' ``Conv1D``) exactly ``n`` are kept, those of
+    largest magnitude; the pattern torch's 2:4 semi-structured kernels run (``allocation="2:4"``).
+
+    Convolutions and embeddings (a tied lm_head included) and linear layers whose input size is not a multiple of
+    ``m`` are left as they are (dense, or their earlier masks), with a warning naming the latter. ``sparsity`` is
+    the phase's target on the way to ``1 - n/m``: a phase keeps ``max(n, m - round(sparsity * m))`` of every
+    ``m``, so one phase goes straight to n:m (NVIDIA's one-shot recipe) and several go through coarser patterns
+    (3:4, then 2:4); masks only grow, so each phase chooses among the weights the last one kept.
+    """
+    keep = max(n, m - round(sparsity * m))
+    out, skipped = dict(masks), []
+    for t in tensors:
+        if t.kind != "linear" or t.param.dim() != 2:
+            continue
+        score, mask = weights[t.name].abs(), masks[t.name]
+        if t.transposed:  # Conv1D stores (in, out): groups run along its first dimension
+            score, mask = score.t(), mask.t()
+        if score.shape[1] % m:
+            skipped.append(t.name)
+            continue
+        groups = _masked_scores(score, mask).reshape(-1, m)
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(keep, dim=1).indices, True)
+        kept = kept.reshape(score.shape) & mask
+        out[t.name] = kept.t() if t.transposed else kept
+    if skipped:
+        warnings.warn(
+            f"{n}:{m} sparsity leaves dense the linear weights whose input size is not a multiple of {m}: "
+            f"{skipped[:5]}",
+            stacklevel=5,
+        )
+    return out

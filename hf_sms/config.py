@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
-from .allocations import ALLOCATIONS
+from .allocations import ALLOCATIONS, get_allocation, parse_n_of_m
 from .baselines import BASELINES
 from .merge import MERGE_METHODS
 from .pruning import phase_sparsities
@@ -48,7 +48,7 @@ class SparseSoupConfig(TrainingArguments):
     n_phases: int = field(default=3, metadata={"help": "Number of prune-retrain(-merge) phases."})
     allocation: str = field(
         default="global",
-        metadata={"help": f"How sparsity is spread over layers: one of {sorted(ALLOCATIONS)}."},
+        metadata={"help": f"How sparsity is spread over layers: one of {sorted(ALLOCATIONS)}, or 'n:m' (e.g. '2:4')."},
     )
     # Retraining
     retrain_schedule: str = field(
@@ -165,7 +165,6 @@ class SparseSoupConfig(TrainingArguments):
         super().__post_init__()
         phase_sparsities(self.target_sparsity, self.n_phases)  # raises ValueError on bad input
         choices = {
-            "allocation": (self.allocation, ALLOCATIONS),
             "retrain_schedule": (self.retrain_schedule, RETRAIN_SCHEDULES),
             "pretrain_schedule": (self.pretrain_schedule, PRETRAIN_SHAPES),
         }
@@ -174,6 +173,13 @@ class SparseSoupConfig(TrainingArguments):
         unknown = sorted(set(self.merge_methods) - set(MERGE_METHODS))
         if unknown:
             raise ValueError(f"merge_methods {unknown} are unknown; choose from {sorted(MERGE_METHODS)}")
+        nm = parse_n_of_m(self.allocation)
+        get_allocation(self.allocation)  # raises, naming the choices, on an unknown one
+        if nm is not None and abs(self.target_sparsity - (1 - nm[0] / nm[1])) > 1e-9:
+            raise ValueError(
+                f"allocation={self.allocation!r} prunes linear weights to exactly {1 - nm[0] / nm[1]:g}: set "
+                f"target_sparsity={1 - nm[0] / nm[1]:g}"
+            )
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(allowed)}")

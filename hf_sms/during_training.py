@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
 
-from .allocations import ALLOCATIONS
+from .allocations import get_allocation
 from .pruning import compute_masks
 
 if TYPE_CHECKING:
@@ -114,8 +114,7 @@ class GradualPruning(TrainerCallback):
 
     def __init__(self, n_steps: int, target: float, allocation: str = "global", example_inputs=None):
         _check_schedule(n_steps, target)
-        if allocation not in ALLOCATIONS:
-            raise ValueError(f"unknown allocation {allocation!r}; choose one of {sorted(ALLOCATIONS)}")
+        get_allocation(allocation)  # raises on an unknown name
         self.n_steps, self.target, self.allocation = n_steps, float(target), allocation
         self.example_inputs = example_inputs
         self.trainer: SparseSoupTrainer | None = None

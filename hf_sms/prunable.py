@@ -34,12 +34,17 @@ _WEIGHTS_BY_TYPE: list[tuple[type | tuple[type, ...], str, tuple[str, ...]]] = [
 ]
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' GPT-2 style Conv1D: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 def _kind_and_attributes(module: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     for types, kind, attributes in _WEIGHTS_BY_TYPE:
         if isinstance(module, types):
             return kind, attributes
     # transformers' GPT-2 style Conv1D is a linear layer with a transposed weight.
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+    if _is_conv1d(module):
         return "linear", ("weight",)
     return None
 
@@ -72,7 +77,7 @@ class PrunableTensor:
     kind: str  # "conv" | "linear" | "embedding"
     uses: tuple[Use, ...] = ()
     # Conv layout, so filter (structured) allocations find each output filter: ConvTranspose weights are
-    # (in, out / groups, *k), other conv weights (out, in / groups, *k).
+    # (in, out / groups, *k), other conv weights (out, in / groups, *k). For linear layers: Conv1D's (in, out).
     transposed: bool = False
     groups: int = 1
 
@@ -104,7 +109,7 @@ def prunable_tensors(model: nn.Module) -> list[PrunableTensor]:
             if id(weight) in seen or id(weight) not in names:
                 continue
             seen.add(id(weight))
-            layout = (bool(module.transposed), int(module.groups)) if entry[0] == "conv" else (False, 1)
+            layout = (bool(module.transposed), int(module.groups)) if entry[0] == "conv" else (_is_conv1d(module), 1)
             out.append(PrunableTensor(names[id(weight)], weight, entry[0], tuple(uses[id(weight)]), *layout))
     return out
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .allocations import ALLOCATIONS
+from .allocations import get_allocation
 from .prunable import Masks, PrunableTensor, call_order_uses, prunable_tensors
 from .structured import filter_sparsity
 
@@ -56,7 +56,8 @@ def compute_masks(
     Args:
         model: any torch model; prunable tensors are found by :func:`prunable_tensors`.
         sparsity: target fraction in [0, 1) of all prunable weights (tied weights counted once).
-        allocation: a name in ``ALLOCATIONS`` ("global", "uniform", "uniform_plus", "erk", "lamp").
+        allocation: a name in ``ALLOCATIONS`` ("global", "uniform", "uniform_plus", "erk", "lamp", "filter_l2",
+            "filter_l1"), or ``"n:m"`` such as ``"2:4"`` (:func:`hf_sms.allocations.n_of_m`).
         masks: masks of an earlier phase; weights they prune stay pruned (masks only grow).
         example_inputs: optional batch (see :func:`call_order_uses`); with it, one forward pass orders the
             layers by call, so "first conv" and "last linear" (``uniform_plus``) mean execution order.
@@ -67,8 +68,7 @@ def compute_masks(
         allocations, each tensor for per-layer ones) unless earlier masks already prune more.
     """
     _check_sparsity(sparsity)
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"unknown allocation {allocation!r}; choose one of {sorted(ALLOCATIONS)}")
+    allocate = get_allocation(allocation)
     tensors = list(validate_masks(model, masks or {}).values())
     if not tensors:
         raise ValueError("model has no prunable weights (linear, convolution or embedding layers)")
@@ -78,7 +78,7 @@ def compute_masks(
     current = {t.name: torch.ones_like(t.param, dtype=torch.bool) for t in tensors}
     current.update({n: m.to(current[n].device) for n, m in (masks or {}).items()})
     weights = {t.name: t.param.detach().float() * current[t.name] for t in tensors}
-    return ALLOCATIONS[allocation](tensors, weights, current, float(sparsity))
+    return allocate(tensors, weights, current, float(sparsity))
 
 
 @torch.no_grad()
