@@ -206,3 +206,24 @@ def test_load_sparse_into_the_runtime_refuses_what_it_cannot(tmp_path):
         load_sparse(str(tmp_path / "ckpt"), runtime="semi_structured")
     with pytest.raises(ValueError, match="sample_input"):
         load_sparse(str(tmp_path / "ckpt"), runtime="auto")
+
+
+def test_a_tied_embedding_and_lm_head_share_one_csr(tmp_path):
+    import json
+
+    from hf_sms import load_sparse, save_sparse
+    from hf_sms.runtime import SparseEmbedding, weight_bytes
+
+    dense = _pruned(make_t5())
+    runtime = to_sparse_runtime(copy.deepcopy(dense), "csr")
+    assert isinstance(runtime.shared, SparseEmbedding) and runtime.shared.weight is runtime.lm_head.weight
+    assert weight_bytes(runtime) < 0.5 * weight_bytes(dense)  # 90% zeros: values + 32-bit column indices
+    save_sparse(dense, str(tmp_path / "ckpt"))
+    loaded = load_sparse(str(tmp_path / "ckpt"), runtime="csr")
+    assert loaded.shared.weight is loaded.lm_head.weight is loaded.encoder.embed_tokens.weight
+    info = json.loads((tmp_path / "ckpt" / "sparsity.json").read_text())
+    info["mask_hash"] = "sha256:" + "0" * 64  # metadata from another save: the stored masks disagree
+    (tmp_path / "ckpt" / "sparsity.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="do not have the mask recorded"):
+        load_sparse(str(tmp_path / "ckpt"), runtime="csr")
+    assert load_sparse(str(tmp_path / "ckpt"), runtime="csr", verify=False) is not None

@@ -148,8 +148,11 @@ class TransformersFamily(Family):
         return cls, config
 
     def instantiate(self, ckpt, **kwargs):
+        from transformers.initialization import no_init_weights
+
         cls, config = self._class_and_config(ckpt)
-        return cls._from_config(config, **kwargs)
+        with no_init_weights():  # every weight comes from the checkpoint: random init is wasted time
+            return cls._from_config(config, **kwargs)
 
     def tie_weights(self, model):
         model.tie_weights()  # from_pretrained ties after loading; a model built on the meta device, before

@@ -92,9 +92,12 @@ class MaskStats:
         }
 
 
-def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | None) -> None:
-    """Raise if the loaded weights (``None``: the stored ones, read from their indices) do not have the mask
-    hash recorded in ``sparsity.json``."""
+def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | None, stats: MaskStats | None = None):
+    """Raise if the loaded weights do not have the mask hash recorded in ``sparsity.json``.
+
+    The masks come from ``state_dict`` (dense tensors), else from ``stats`` (digests a loader recorded while
+    reading, e.g. from stored positions), else from the stored indices.
+    """
     expected = (ckpt.info or {}).get("mask_hash")
     if not expected:
         return
@@ -104,15 +107,23 @@ def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | No
     names = (
         list(recorded) if recorded is not None else [n for n, t in state_dict.items() if eligible(n, t.shape, t.dtype)]
     )
-    stats = MaskStats()
-    stored = set(ckpt.names())
-    for name in names:
-        if state_dict is None and name in stored:
-            stats.add(name, ckpt.mask(name), "")
-        elif state_dict is not None and name in state_dict:
-            stats.add(name, state_dict[name] != 0, "")
-    if len(stats.per_tensor) != len(names) or stats.summary()["mask_hash"] != expected:
+    if stats is None:
+        stats = MaskStats()
+        stored = set(ckpt.names())
+        for name in names:
+            if state_dict is None and name in stored:
+                stats.add(name, ckpt.mask(name), "")
+            elif state_dict is not None and name in state_dict:
+                stats.add(name, state_dict[name] != 0, "")
+    if any(n not in stats.per_tensor for n in names) or stats.summary(names)["mask_hash"] != expected:
         raise ValueError(
             f"the weights of {ckpt.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
             "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
         )
+
+
+def positions_mask(positions: torch.Tensor, numel: int) -> np.ndarray:
+    """The flat bool mask of the given nonzero positions."""
+    mask = np.zeros(numel, dtype=bool)
+    mask[positions.numpy()] = True
+    return mask

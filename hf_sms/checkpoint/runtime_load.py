@@ -10,6 +10,7 @@ tensor is read dense. Tensors the model ties together (T5's embedding and ``lm_h
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from accelerate import init_empty_weights
@@ -17,8 +18,8 @@ from torch import nn
 
 from ..runtime import RuntimeReport
 from ..runtime.convert import Swap, _candidates, _set, check_request, finish, plan
-from ..runtime.layers import SparseConv2d, SparseLinear, csr_from_positions
-from .masks import check_masks
+from ..runtime.layers import SparseConv2d, SparseEmbedding, SparseLinear, csr_from_positions
+from .masks import MaskStats, check_masks, eligible, positions_mask
 from .reader import SparseCheckpoint
 
 
@@ -70,8 +71,6 @@ def load_runtime(
             "load_sparse(runtime='semi_structured') is not a loading layout: load with runtime=None, move the model "
             "to the GPU in fp16/bf16, then call hf_sms.to_sparse_runtime(model, 'semi_structured')"
         )
-    if verify:
-        check_masks(ckpt, None)
     if model is None:
         with init_empty_weights(include_buffers=False):
             model = ckpt.family.instantiate(ckpt, **kwargs)
@@ -80,32 +79,44 @@ def load_runtime(
     device = check_request(model, layout, sample_input, min_sparsity)
     report = RuntimeReport(layout, str(device), torch.get_num_threads())
     keys = _tensor_keys(model, ckpt)
+    stats = MaskStats() if verify else None  # mask digests taken while reading: each index is decoded once
     swaps: dict[str, Swap] = {}
+    shared: dict[tuple[str, bool], torch.Tensor] = {}  # (checkpoint key, transposed): its CSR, for tied weights
     done: set[str] = set()  # model tensor names already in place
     for name, module, kind, weight in [] if layout == "dense" else _candidates(model):
         key = keys[f"{name}.weight"]
-        positions, values, shape = ckpt.read_sparse(key)
-        sparsity = 1.0 - positions.numel() / max(weight.numel(), 1)
-        choice = plan(report, name, module, kind, _Shape(weight, values), sparsity, "csr", min_sparsity)
-        if choice.layout == "dense":
-            continue
-        matrix = (shape[0], weight.numel() // shape[0])
         transposed = type(module).__name__ == "Conv1D"  # stores (in, out); the runtime multiplies by (out, in)
-        if transposed:
-            positions, values, matrix = _transposed(positions, values, matrix)
-        csr = csr_from_positions(positions, values, matrix)
+        if (key, transposed) not in shared:
+            positions, values, shape = ckpt.read_sparse(key)
+            if stats is not None and key not in stats.per_tensor:
+                stats.add(key, positions_mask(positions, weight.numel()), "", shape)
+            sparsity = 1.0 - positions.numel() / max(weight.numel(), 1)
+            choice = plan(report, name, module, kind, _Shape(weight, values), sparsity, "csr", min_sparsity)
+            if choice.layout == "dense":
+                continue
+            matrix = (shape[0], weight.numel() // shape[0])
+            if transposed:
+                positions, values, matrix = _transposed(positions, values, matrix)
+            shared[key, transposed] = csr_from_positions(positions, values, matrix)
+        else:
+            report.layers.append(replace(next(c for c in report.layers if keys[f"{c.name}.weight"] == key), name=name))
+        csr = shared[key, transposed]
         bias = getattr(module, "bias", None)
         if bias is not None:
             bias = ckpt.read(keys[f"{name}.bias"])
             done.add(f"{name}.bias")
-        if kind == "linear":
+        if kind == "embedding":
+            sparse = SparseEmbedding(csr, module.padding_idx)
+        elif kind == "linear":
             sparse = SparseLinear(csr, bias, transposed)
         else:
             sparse = SparseConv2d.from_csr(module, csr, bias)
         _set(model, name, sparse)
         swaps[name] = Swap(None, sparse)
         done.add(f"{name}.weight")
-    _load_dense_rest(model, ckpt, keys, done)
+    _load_dense_rest(model, ckpt, keys, done, stats)
+    if stats is not None:
+        check_masks(ckpt, None, stats)
     model.hf_sms_runtime = report
     if not swaps:
         model.eval()
@@ -128,7 +139,7 @@ def _own_tensors(model: nn.Module):
     """``(owner, attr, full name, tensor)`` of every parameter and persistent buffer outside runtime layers
     (whose ``state_dict`` would densify them)."""
     for prefix, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, (SparseLinear, SparseConv2d)):
+        if isinstance(module, (SparseLinear, SparseConv2d, SparseEmbedding)):
             continue
         tensors = list(module._parameters.items())
         tensors += [(k, v) for k, v in module._buffers.items() if k not in module._non_persistent_buffers_set]
@@ -137,8 +148,9 @@ def _own_tensors(model: nn.Module):
                 yield module, attr, f"{prefix}.{attr}" if prefix else attr, t
 
 
-def _load_dense_rest(model: nn.Module, ckpt: SparseCheckpoint, keys: dict[str, str], done: set[str]) -> None:
-    """Read every tensor not yet in place into the model, dense; tied names get one shared tensor."""
+def _load_dense_rest(model: nn.Module, ckpt: SparseCheckpoint, keys: dict[str, str], done: set[str], stats) -> None:
+    """Read every tensor not yet in place into the model, dense; tied names get one shared tensor. Their masks go
+    into ``stats`` (unless ``None``)."""
     loaded: dict[str, torch.Tensor] = {}
     for owner, attr, name, current in list(_own_tensors(model)):
         if name in done:
@@ -146,6 +158,8 @@ def _load_dense_rest(model: nn.Module, ckpt: SparseCheckpoint, keys: dict[str, s
         key = keys[name]
         if key not in loaded:
             tensor = ckpt.read(key)
+            if stats is not None and key not in stats.per_tensor and eligible(key, tensor.shape, tensor.dtype):
+                stats.add(key, tensor != 0, "")
             if tuple(current.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(current.shape)}; re-save it"

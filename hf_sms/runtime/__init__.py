@@ -1,7 +1,7 @@
 """A sparse inference runtime: pruned layers computed with sparse kernels, decided per layer by measurement."""
 
 from .convert import LAYOUTS, LayerChoice, RuntimeReport, time_pair, to_sparse_runtime
-from .layers import SemiStructuredLinear, SparseConv2d, SparseLinear
+from .layers import SemiStructuredLinear, SparseConv2d, SparseEmbedding, SparseLinear, weight_bytes
 
 __all__ = [
     "LAYOUTS",
@@ -9,7 +9,9 @@ __all__ = [
     "RuntimeReport",
     "SemiStructuredLinear",
     "SparseConv2d",
+    "SparseEmbedding",
     "SparseLinear",
     "time_pair",
     "to_sparse_runtime",
+    "weight_bytes",
 ]

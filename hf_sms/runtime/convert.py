@@ -22,11 +22,13 @@ from torch import nn
 from .layers import (
     SemiStructuredLinear,
     SparseConv2d,
+    SparseEmbedding,
     SparseLinear,
     check_csr_dtype,
     check_semi_structured,
     dense_module,
     is_two_four,
+    to_csr,
 )
 
 logger = logging.getLogger("hf_sms")
@@ -38,7 +40,7 @@ class LayerChoice:
     """What the runtime did with one prunable layer, and why."""
 
     name: str
-    kind: str  # "linear" | "conv1x1" | "conv"
+    kind: str  # "linear" | "conv1x1" | "conv" | "embedding"
     shape: tuple[int, ...]
     sparsity: float
     layout: str = "dense"  # what runs now: "csr" | "semi_structured" | "dense"
@@ -99,20 +101,32 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tenso
         elif isinstance(module, nn.Conv2d):
             kind = "conv1x1" if module.kernel_size == (1, 1) and module.padding == (0, 0) else "conv"
             out.append((name, module, kind, module.weight.reshape(module.out_channels, -1)))
+        elif isinstance(module, nn.Embedding):
+            out.append((name, module, "embedding", module.weight))
     return out
 
 
-def _sparse_module(module: nn.Module, kind: str, weight: torch.Tensor, layout: str) -> nn.Module:
+def _sparse_module(module: nn.Module, kind: str, weight: torch.Tensor, layout: str, shared: dict) -> nn.Module:
+    """The runtime layer for ``module``; ``shared`` maps a weight's id to its CSR, so tied weights (an embedding
+    and its lm_head) share one."""
     bias = getattr(module, "bias", None)
     if layout == "semi_structured":
         return SemiStructuredLinear(weight.detach(), bias)
-    if kind == "linear":
-        return SparseLinear.from_dense(weight.detach(), bias, transposed=weight is not getattr(module, "weight", None))
-    return SparseConv2d(module)
+    if kind == "conv" or kind == "conv1x1":
+        return SparseConv2d(module)
+    transposed = weight is not module.weight
+    key = (id(module.weight), transposed)
+    if key not in shared:
+        shared[key] = to_csr(weight.detach())
+    if kind == "embedding":
+        return SparseEmbedding(shared[key], module.padding_idx)
+    return SparseLinear(shared[key], bias, transposed)
 
 
 def _unsupported(module: nn.Module, kind: str, weight: torch.Tensor, layout: str) -> str | None:
     """Why ``module`` cannot run in ``layout`` (``None`` if it can)."""
+    if kind == "embedding":
+        return "max_norm renormalises looked-up rows: kept dense" if module.max_norm is not None else None
     if kind != "linear" and layout == "semi_structured":
         return "2:4 kernels take linear layers only"
     if kind != "linear" and (module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str)):
@@ -184,8 +198,9 @@ def to_sparse_runtime(
     Every layer the pruner prunes and a sparse kernel can compute (``nn.Linear``, transformers' ``Conv1D``,
     ``nn.Conv2d`` with ``groups=1``: 1x1 directly, kxk on unfolded patches) whose weight is at least
     ``min_sparsity`` zeros is replaced by a :mod:`hf_sms.runtime.layers` module holding the sparse weight.
-    Embeddings stay dense (a lookup has no product to save), and so do ``nn.MultiheadAttention``'s
-    projections (it computes with its weights directly).
+    Pruned embeddings become CSR lookup tables (for their memory: a lookup has no product to save; a tied
+    embedding and lm_head share one CSR). ``nn.MultiheadAttention``'s projections stay dense (it computes
+    with its weights directly).
 
     Args:
         model: a pruned model (transformers, timm, smp or plain torch), in eval mode after conversion; every
@@ -214,14 +229,15 @@ def to_sparse_runtime(
     model.eval()
     use_semi = layout == "semi_structured" or (layout == "auto" and _semi_structured_device(device))
     swaps: dict[str, Swap] = {}
+    shared: dict = {}
     for name, module, kind, weight in _candidates(model):
         sparsity = float((weight == 0).float().mean())
         target = "semi_structured" if use_semi and kind == "linear" and is_two_four(weight) else "csr"
-        if layout == "semi_structured":
+        if layout == "semi_structured" and kind != "embedding":
             target = "semi_structured"
         choice = plan(report, name, module, kind, weight, sparsity, target, min_sparsity)
         if choice.layout != "dense":
-            swaps[name] = Swap(module, _sparse_module(module, kind, weight, target))
+            swaps[name] = Swap(module, _sparse_module(module, kind, weight, target, shared))
     if not swaps:
         warnings.warn(
             f"to_sparse_runtime: no layer of {type(model).__name__} is pruned to min_sparsity={min_sparsity} in a "
@@ -261,6 +277,10 @@ def plan(report, name, module, kind, weight, sparsity, target, min_sparsity) -> 
     choice = LayerChoice(name, kind, tuple(module.weight.shape), sparsity)
     report.layers.append(choice)
     why = _unsupported(module, kind, weight, target)
+    if kind == "embedding" and not why and sparsity >= min_sparsity:  # a lookup: kept for its memory, not timed
+        check_csr_dtype(weight.dtype, weight.device)
+        choice.layout, choice.reason = "csr", "memory: rows gathered from CSR (the whole model is timed)"
+        return choice
     if report.layout == "semi_structured" and kind == "linear" and sparsity >= min_sparsity:
         check_semi_structured(weight)  # a forced 2:4 layout refuses a mask that is not 2:4
     if sparsity < min_sparsity:
@@ -313,13 +333,14 @@ def _decide(model, swaps: dict[str, Swap], by_name, sample_input, margin, repeat
         return pre
 
     # the hooks sit on whichever module the model holds now (dense, or sparse when loaded sparse-first)
-    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in swaps]
+    timed = [n for n in swaps if by_name[n].kind != "embedding"]
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in timed]
     try:
         _run(model, sample_input)
     finally:
         for h in handles:
             h.remove()
-    for name in swaps:
+    for name in timed:
         if name not in seen:
             by_name[name].layout, by_name[name].reason = "dense", "not called by the sample input"
 

@@ -226,6 +226,39 @@ class SparseConv2d(_InferenceOnly):
         )
 
 
+class SparseEmbedding(_InferenceOnly):
+    """A lookup table in CSR: each looked-up row is gathered from its stored nonzeros.
+
+    It saves the table's memory (a tied embedding and lm_head share one CSR); at the sizes of a forward pass the
+    gather costs a small fraction of one matrix product.
+
+    Args:
+        weight: the (num_embeddings, embedding_dim) table as a CSR tensor.
+        padding_idx: as in ``nn.Embedding`` (only recorded: inference needs nothing from it).
+    """
+
+    def __init__(self, weight: torch.Tensor, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).long()
+        crow, col, values = self.weight.crow_indices().long(), self.weight.col_indices().long(), self.weight.values()
+        start = crow[flat]
+        counts = crow[flat + 1] - start
+        rows = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), counts)
+        first = torch.repeat_interleave(start - (counts.cumsum(0) - counts), counts)
+        taken = first + torch.arange(rows.numel(), device=flat.device)
+        out = torch.zeros(flat.numel(), self.embedding_dim, dtype=values.dtype, device=values.device)
+        out[rows, col[taken]] = values[taken]
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, nnz={self.weight.values().numel()}, layout=csr"
+
+
 def is_two_four(weight: torch.Tensor) -> bool:
     """Whether every group of 4 consecutive inputs of a 2-D weight holds at most 2 nonzeros."""
     return weight.shape[-1] % 4 == 0 and bool(((weight != 0).reshape(-1, 4).sum(-1) <= 2).all())
@@ -282,8 +315,10 @@ def check_semi_structured(weight: torch.Tensor) -> None:
 def dense_module(sparse: nn.Module) -> nn.Module:
     """The dense layer a runtime layer stands for (weights equal), e.g. to time it or to fall back to it."""
     weight = sparse.dense_weight()
-    bias = sparse.bias
-    if isinstance(sparse, SparseConv2d):
+    bias = getattr(sparse, "bias", None)
+    if isinstance(sparse, SparseEmbedding):
+        out = nn.Embedding(sparse.num_embeddings, sparse.embedding_dim, sparse.padding_idx, device="meta")
+    elif isinstance(sparse, SparseConv2d):
         out = nn.Conv2d(
             sparse.in_channels,
             sparse.out_channels,
@@ -301,6 +336,25 @@ def dense_module(sparse: nn.Module) -> nn.Module:
     else:
         out = nn.Linear(sparse.in_features, sparse.out_features, bias=bias is not None, device="meta")
     out.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
+    if bias is not None and not isinstance(sparse, SparseEmbedding):
         out.bias = nn.Parameter(bias.detach(), requires_grad=False)
     return out.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model``, each storage once; a CSR weight counts its values and
+    both index arrays, a semi-structured one its packed values and metadata."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.layout == torch.sparse_csr:
+            parts = [t.values(), t.crow_indices(), t.col_indices()]
+        elif hasattr(t, "packed"):  # torch's SparseSemiStructuredTensor
+            parts = [p for p in (t.packed, t.meta) if p is not None]
+        else:
+            parts = [t]
+        for p in parts:
+            key = (p.untyped_storage().data_ptr(), p.storage_offset(), p.numel())
+            if key not in seen:
+                seen.add(key)
+                total += p.numel() * p.element_size()
+    return total
