@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import resource
@@ -24,7 +25,7 @@ import time
 
 import torch
 
-from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse, to_sparse_runtime
+from hf_sms import apply_masks, compute_masks, save_sparse, to_sparse_runtime
 from hf_sms.runtime import time_pair, weight_bytes
 
 CPU = torch.device("cpu")
@@ -110,9 +111,7 @@ def bench_vision(threads, repeats, quick):
         models["MaxViT-tiny 224px"] = lambda: timm_model("maxvit_tiny_tf_224")
         models["PSPNet (smp, ResNet-50) 256px"] = pspnet
     for name, make in models.items():
-        x = x224[:, :, :256, :256] if "256" in name else x224
-        if "256" in name:
-            x = torch.nn.functional.interpolate(x224, size=256)
+        x = torch.nn.functional.interpolate(x224, size=256) if "256" in name else x224
         base = make()
         for s in (0.9,) if quick else (0.9, 0.98):
             dense = pruned(copy.deepcopy(base), s)
@@ -126,7 +125,7 @@ def bench_vision(threads, repeats, quick):
                 masked = pruned(copy.deepcopy(base), s, "filter_l2")
                 shrunk = shrink_filters(masked, x, exact=False).eval()
                 with torch.inference_mode():
-                    d, r = time_pair(lambda: masked(x), lambda: shrunk(x), repeats, CPU)
+                    d, r = time_pair(functools.partial(masked, x), functools.partial(shrunk, x), repeats, CPU)
                 mb = weight_bytes(masked) / 2**20, weight_bytes(shrunk) / 2**20
                 row(name, f"filter_l2 {s:.0%} of filters, shrink_filters", f"{d:.1f}", f"{r:.1f}",
                     f"**{d / r:.2f}x**", "-", f"{mb[0]:.0f}", f"{mb[1]:.0f}")  # fmt: skip
