@@ -1,12 +1,18 @@
-"""``hf-sms merge`` and ``hf-sms inspect``: argument parsing and printing over :mod:`hf_sms.checkpoint`."""
+"""``hf-sms merge``, ``hf-sms inspect`` and ``hf-sms speed``: argument parsing and printing over
+:mod:`hf_sms.checkpoint` and :mod:`hf_sms.runtime`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 
-from .checkpoint import FORMATS, STREAMING_METHODS, inspect_checkpoint, merge_checkpoints
+import torch
+
+from .checkpoint import FORMATS, STREAMING_METHODS, SparseCheckpoint, inspect_checkpoint, load_sparse, merge_checkpoints
+from .runtime.speed import format_measured, measure_speedup
 
 
 def _mb(n: int) -> str:
@@ -57,6 +63,74 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def sample_input(directory: str, batch_size: int = 1, seq_len: int = 32, image_size: int | None = None):
+    """A random input of the shape a checkpoint's model takes: token ids (encoder and decoder for seq2seq
+    models) for transformers text models, images for vision models (timm's ``input_size`` unless given)."""
+    ckpt = SparseCheckpoint(directory)
+    g = torch.Generator().manual_seed(0)
+    config = ckpt.config or {}
+    if ckpt.library == "transformers" and "vocab_size" in config:
+        ids = torch.randint(0, config["vocab_size"], (batch_size, seq_len), generator=g)
+        return {"input_ids": ids, "decoder_input_ids": ids} if config.get("is_encoder_decoder") else {"input_ids": ids}
+    if ckpt.library == "torch":
+        raise ValueError(
+            f"{directory} holds a plain torch model, which needs a template to load: time it in Python with "
+            "hf_sms.runtime.measure_speedup(model, sample_input)"
+        )
+    size = image_size or (config.get("pretrained_cfg", {}).get("input_size") or [3, 224, 224])[-1]
+    if ckpt.library == "transformers":
+        size = image_size or config.get("image_size", size)
+    channels = config.get("in_channels", 3)
+    return torch.randn(batch_size, channels, size, size, generator=g)
+
+
+_PEAK = r"""
+import sys, torch
+torch.set_num_threads(int(sys.argv[3]))
+from hf_sms import load_sparse
+from hf_sms.checkpoint_cli import sample_input
+def hwm():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+before = hwm()
+folder, runtime = sys.argv[1], (None if sys.argv[2] == "dense" else sys.argv[2])
+x = sample_input(folder, *map(int, sys.argv[4:6]), int(sys.argv[6]) or None)
+model = load_sparse(folder, runtime=runtime, sample_input=x if runtime == "auto" else None)
+with torch.inference_mode():
+    model(**x) if isinstance(x, dict) else model(x)
+print(before, hwm())
+"""
+
+
+def _peak_mb(directory: str, mode: str, args: argparse.Namespace) -> float | None:
+    """Peak RSS above imports (MB) of a fresh process that loads ``directory`` (dense or runtime) and runs once."""
+    if not os.path.exists("/proc/self/status"):
+        return None  # VmHWM is Linux's
+    argv = [directory, mode, str(args.threads), str(args.batch_size), str(args.seq_len), str(args.image_size or 0)]
+    out = subprocess.run([sys.executable, "-c", _PEAK, *argv], capture_output=True, text=True)
+    if out.returncode:
+        raise ValueError(f"measuring memory failed: {out.stderr.strip().splitlines()[-1:]}")
+    before, after = map(float, out.stdout.split()[-2:])
+    return after - before
+
+
+def _run_speed(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    x = sample_input(args.directory, args.batch_size, args.seq_len, args.image_size)
+    model = load_sparse(args.directory)
+    record = measure_speedup(model, x, layout=args.layout, repeats=args.repeats)
+    print(f"{args.directory}: dense vs sparse runtime ({args.layout})")
+    print(f"latency:  {format_measured(record)}")
+    print(f"weights:  {record['dense_weights_mb']:.1f} MB dense vs {record['runtime_weights_mb']:.1f} MB runtime")
+    if not args.no_memory:
+        dense, runtime = (_peak_mb(args.directory, m, args) for m in ("dense", args.layout))
+        if dense is not None:
+            print(
+                f"peak RSS above imports, load + one forward in a fresh process: {dense:.0f} MB dense (load_sparse) "
+                f"vs {runtime:.0f} MB runtime (load_sparse(runtime={args.layout!r}))"
+            )
+    return 0
+
+
 def _guarded(run):
     def func(args: argparse.Namespace) -> int:
         try:
@@ -69,7 +143,7 @@ def _guarded(run):
 
 
 def add_parsers(subparsers) -> None:
-    """Add the ``merge`` and ``inspect`` subcommands to an ``argparse`` subparsers object."""
+    """Add the ``merge``, ``inspect`` and ``speed`` subcommands to an ``argparse`` subparsers object."""
     p = subparsers.add_parser(
         "merge",
         help="average checkpoint folders into a soup, streaming tensor by tensor",
@@ -87,3 +161,19 @@ def add_parsers(subparsers) -> None:
     q.add_argument("directory", metavar="DIR")
     q.add_argument("--json", action="store_true", help="print JSON instead of a table")
     q.set_defaults(func=_guarded(_run_inspect))
+
+    r = subparsers.add_parser(
+        "speed",
+        help="latency and memory of a saved soup, dense vs the sparse runtime",
+        description="Loads the checkpoint, times it dense against hf_sms.to_sparse_runtime on a random input of "
+        "the given shape (interleaved repeats, medians), and measures peak memory of each in a fresh process.",
+    )
+    r.add_argument("directory", metavar="DIR")
+    r.add_argument("--batch-size", type=int, default=1)
+    r.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (text models)")
+    r.add_argument("--image-size", type=int, default=None, help="image side (vision models; default: the model's)")
+    r.add_argument("--threads", type=int, default=torch.get_num_threads())
+    r.add_argument("--layout", default="auto", choices=["auto", "csr"])
+    r.add_argument("--repeats", type=int, default=7)
+    r.add_argument("--no-memory", action="store_true", help="skip the two fresh-process memory measurements")
+    r.set_defaults(func=_guarded(_run_speed))

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(args) -> int:
-    from .results import format_table, reported_tests
+    from .results import format_table, measured_line, reported_tests
 
     runs = []
     for path in args.results:
@@ -31,6 +31,7 @@ def _table(args) -> int:
             runs.append(json.load(f))
     for split in args.split or reported_tests(runs[0]):
         print(f"{split}:\n{format_table(runs, split)}\n")
+    print(measured_line(runs))
     return 0
 
 

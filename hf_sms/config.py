@@ -153,6 +153,13 @@ class SparseSoupConfig(TrainingArguments):
     baselines: list[str] = field(
         default_factory=list, metadata={"help": f"Baselines run beside SMS: any of {sorted(BASELINES)}."}
     )
+    measure_speedup: bool = field(
+        default=True,
+        metadata={
+            "help": "Time the final soup dense vs the sparse runtime on one validation batch (main process) and "
+            "report it beside the FLOP count in results.json, the table, sparsity.json and the model card."
+        },
+    )
 
     # Changed TrainingArguments defaults.
     max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping norm; 0: none (the paper's)."})

@@ -22,6 +22,7 @@ from .checkpoint import save_sparse
 from .checkpoint.constants import CARD_NAME, SPARSITY_NAME, TMP_PREFIX
 from .checkpoint.families import FAMILIES, Family
 from .checkpoint.folder import published_files, read_sparsity
+from .runtime.speed import format_measured
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ METRIC_TYPES.update({"miou": "mean_iou", "mean iou": "mean_iou"})
 TASKS = {"accuracy": "image-classification", "recall": "image-classification", "bleu": "translation"}
 TASKS["mean_iou"] = "image-segmentation"
 SPEEDUP = "Theoretical speedup (FLOPs with zeros skipped)"
+MEASURED = 'Measured speedup with hf-sms\'s sparse runtime (`hf_sms.load_sparse(dir, runtime="auto", ...)`)'
 
 
 def metric_type(metric: str) -> str:
@@ -54,8 +56,11 @@ def metric_type(metric: str) -> str:
     return METRIC_TYPES.get(key) or re.sub(r"[^a-z0-9]+", "_", key).strip("_")
 
 
-def card_metrics(results: list[dict] | None = None, metrics: dict | None = None, speedup=None) -> dict:
-    """The record of what a card reports, as stored in ``sparsity.json``'s ``metrics``: ``{"results", "speedup"}``.
+def card_metrics(
+    results: list[dict] | None = None, metrics: dict | None = None, speedup=None, measured: dict | None = None
+) -> dict:
+    """The record of what a card reports, as stored in ``sparsity.json``'s ``metrics``: ``{"results", "speedup",
+    "measured_speedup"}``.
 
     Args:
         results: rows ``{"model": "soup" | "dense" | "imp" ..., "split": "test" ..., "metric": "BLEU" ...,
@@ -63,9 +68,11 @@ def card_metrics(results: list[dict] | None = None, metrics: dict | None = None,
         metrics: the older flat ``{metric name: value}`` of the soup on an unnamed split; a ``"speedup"`` key
             is the theoretical speedup, not a metric.
         speedup: the theoretical speedup (:func:`hf_sms.evaluation.theoretical_speedup`), ``None`` if unknown.
+        measured: the sparse runtime's measured speedup record (:func:`hf_sms.runtime.measure_speedup`: speedup,
+            times, device, threads, input), ``None`` if not measured.
 
     Returns:
-        ``{"results": rows with every key set, "speedup": float or None}``.
+        ``{"results": rows with every key set, "speedup": float or None, "measured_speedup": dict or None}``.
     """
     flat = dict(metrics or {})
     legacy_speedup = flat.pop("speedup", None)
@@ -82,7 +89,11 @@ def card_metrics(results: list[dict] | None = None, metrics: dict | None = None,
         if not _is_number(row["value"]):
             raise ValueError(f"result {row} needs a number as its value")
         rows.append({"model": "soup", "split": None, **row, "value": float(row["value"])})
-    return {"results": rows, "speedup": None if speedup is None else float(speedup)}
+    return {
+        "results": rows,
+        "speedup": None if speedup is None else float(speedup),
+        "measured_speedup": dict(measured) if measured else None,
+    }
 
 
 def _is_number(value) -> bool:
@@ -171,6 +182,7 @@ def model_card(
     results: list[dict] | None = None,
     metrics: dict | None = None,
     speedup: float | None = None,
+    measured: dict | None = None,
     task: str | None = None,
     license: str | None = None,
     tags: list[str] | None = None,
@@ -183,7 +195,7 @@ def model_card(
         repo_id: the Hub repository, used in the title, the loading snippet and ``model-index``.
         base_model: Hub id of the dense model the soup was pruned from.
         datasets: Hub ids of the training datasets; the first is the dataset of results that name none.
-        results, metrics, speedup: what the card reports, as in :func:`card_metrics`.
+        results, metrics, speedup, measured: what the card reports, as in :func:`card_metrics`.
         task: Hub task id for ``model-index`` (default: implied by each metric).
         license, tags: extra front matter.
 
@@ -191,9 +203,10 @@ def model_card(
         YAML front matter (with ``model-index`` for the soup's results) and Markdown.
     """
     info = _read_info(directory)
-    given, stored = card_metrics(results, metrics, speedup), _stored(info)  # arguments first, then sparsity.json
+    given, stored = card_metrics(results, metrics, speedup, measured), _stored(info)  # arguments, then the file
     rows = given["results"] if results is not None or metrics is not None else stored["results"]
     speedup = stored["speedup"] if given["speedup"] is None else given["speedup"]
+    measured = given["measured_speedup"] or stored.get("measured_speedup")
     recipe = info.get("recipe") or {}
     repo = repo_id or os.path.basename(os.path.abspath(directory))
     meta = {
@@ -227,6 +240,9 @@ def model_card(
         f"- Checkpoint format: `{info.get('format')}`, weights {weights / 1e6:.2f} MB on disk.",
         f"- {SPEEDUP}: {speed}. Unstructured sparsity runs faster only with sparse kernels; it always "
         "shrinks the checkpoint.",
+        f"- {MEASURED}: "
+        + (format_measured(measured) if measured else "not timed for this card; `hf-sms speed DIR` times it on yours")
+        + ".",
     ]
     if rows:
         body += ["", "## Results", "", results_table(rows)]
@@ -283,7 +299,7 @@ def push_to_hub(
             os.path.join(tmp, "model"),
             format,
             recipe=recipe,
-            metrics=card_metrics(*(card_kwargs.get(k) for k in ("results", "metrics", "speedup"))),
+            metrics=card_metrics(*(card_kwargs.get(k) for k in ("results", "metrics", "speedup", "measured"))),
             processing_class=processing_class,
         )
     else:

@@ -156,7 +156,7 @@ def unfused_attention():
         torch.backends.mha.set_fastpath_enabled(enabled)
 
 
-def _accepts_labels(model: nn.Module) -> bool:
+def accepts_labels(model: nn.Module) -> bool:
     # Seq2seq models derive their decoder inputs from labels, so they must get them when they take them.
     params = inspect.signature(model.forward).parameters.values()
     return any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
@@ -186,7 +186,7 @@ def call_order_uses(model: nn.Module, example_inputs) -> dict[int, list[Use]]:
     try:
         with unfused_attention():
             device = next(model.parameters()).device
-            forward_batch(model, example_inputs, device, keep_labels=_accepts_labels(model))
+            forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))
     finally:
         for hook in hooks:
             hook.remove()

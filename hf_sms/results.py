@@ -6,6 +6,8 @@ import json
 import os
 import statistics
 
+from .runtime.speed import format_measured
+
 ROW_ORDER = (
     "sms_uniform",
     "sms_greedy",
@@ -68,6 +70,17 @@ def format_table(runs: list[dict], split: str = "test") -> str:
         lines.append(f"| dense (unpruned) | {_cell(dense)} |" + " |" * (len(phases) - 1))
     for method in [m for m in ROW_ORDER if m in table] + sorted(set(table) - set(ROW_ORDER)):
         lines.append(f"| {ROW_NAMES.get(method, method)} | " + " | ".join(_cell(c) for c in table[method]) + " |")
+    return "\n".join(lines)
+
+
+def measured_line(runs: list[dict]) -> str:
+    """What the final soups' FLOP count promised and what the sparse runtime measured, one line per run."""
+    lines = []
+    for run in runs:
+        record = run.get("measured_speedup")
+        final = next(iter(run["rows"].values()))[-1].get("speedup")
+        flops = f"{final:.2f}x" if isinstance(final, (int, float)) else "-"
+        lines.append(f"final soup speedup: {flops} in FLOPs, measured {format_measured(record)}")
     return "\n".join(lines)
 
 

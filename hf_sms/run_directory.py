@@ -27,6 +27,7 @@ from .results import save_results
 # Config fields that cannot change a replica's weights or the metrics: where and how a run reports.
 _NOT_RESULTS = (
     "output_dir",
+    "measure_speedup",  # a timing after training; it changes no model
     "logging_",
     "log_",
     "report_to",

@@ -22,7 +22,7 @@ from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from .checkpoint import SPARSITY_NAME, load_sparse, save_sparse
 from .distributed import launched_world_size
-from .results import format_table, reported_tests
+from .results import format_table, measured_line, reported_tests
 from .schedules import PRETRAIN_SHAPES
 from .smoke import SMOKE_ARGS
 from .sms import SparseModelSoup
@@ -355,3 +355,4 @@ def finish(runner: SparseModelSoup) -> None:
     if runner.world.is_main:
         for name in reported_tests(runner.results):
             print(f"\n{name} after each phase:\n" + format_table([runner.results], name), flush=True)
+        print("\n" + measured_line([runner.results]), flush=True)

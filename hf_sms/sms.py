@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from .baselines import BASELINES
-from .batchnorm import has_batchnorm, recalibrate_batchnorm
+from .batchnorm import forward_batch, has_batchnorm, recalibrate_batchnorm
 from .checkpoint import load_sparse, save_sparse
 from .checkpoint.constants import FINAL_SOUP, RESULTS_FILE, SPARSITY_NAME
 from .checks import check_inputs
@@ -27,10 +27,12 @@ from .evaluation import MetricFn, theoretical_speedup
 from .evaluators import measure, metric_name, named_tests
 from .hub import card_metrics
 from .merge import MERGE_METHODS, check_same_masks
+from .prunable import accepts_labels
 from .pruning import PruningStep, phase_sparsities, prune, sparsity_report
 from .pruning_methods import PRUNING_METHODS, empty_step
 from .results import save_results
 from .run_directory import RunDirectory, config_fingerprint, data_hash, model_hash
+from .runtime.speed import describe_input, measure_speedup
 from .trainer import SparseSoupTrainer
 
 logger = logging.getLogger("hf_sms")
@@ -126,6 +128,8 @@ class SparseModelSoup:
                 self.final_soup = soups[a.merge_methods[0]]
             for name in a.baselines:
                 BASELINES[name](self)
+            if self.world.is_main and a.measure_speedup:
+                self.results["measured_speedup"] = self.measure_runtime(self.final_soup)
             self._save_results()
             if self.world.is_main:
                 soup_dir = self.run_dir.path(FINAL_SOUP)
@@ -202,7 +206,17 @@ class SparseModelSoup:
                 for split, value, metric in evaluations
                 if value is not None
             ]
-        return card_metrics(results=results, speedup=row.get("speedup"))
+        return card_metrics(results=results, speedup=row.get("speedup"), measured=self.results.get("measured_speedup"))
+
+    def measure_runtime(self, model: nn.Module) -> dict:
+        """``model`` timed dense vs the sparse runtime on one validation batch (see :func:`measure_speedup`)."""
+        batch = {k: v for k, v in self.example.items()} if isinstance(self.example, dict) else self.example
+
+        def forward(m):
+            forward_batch(m, batch, keep_labels=accepts_labels(m))
+
+        forward.description = describe_input(batch)
+        return measure_speedup(model, forward)
 
     # -- units of work ---------------------------------------------------------------------------
     def train_replica(

@@ -84,7 +84,10 @@ def t5_dir(tmp_path):
 
 
 def _speedup_lines(card: str) -> list[str]:
-    return [line for line in card.splitlines() if "speedup" in line.lower()]
+    """Lines stating the theoretical speedup (the measured one has its own line)."""
+    from hf_sms.hub import MEASURED
+
+    return [line for line in card.splitlines() if "speedup" in line.lower() and not line.startswith(f"- {MEASURED}")]
 
 
 def test_model_card_names_metric_and_split_and_parses_on_the_hub(t5_dir):
@@ -241,3 +244,18 @@ def test_push_model_saves_to_a_temporary_folder(caplog, capsys):
     assert not os.path.exists(seen["folder"])  # the temporary folder is cleaned up
     out = capsys.readouterr()
     assert TOKEN not in caplog.text + out.out + out.err
+
+
+def test_measured_speedup_goes_next_to_the_flop_count(t5_dir, tmp_path):
+    from hf_sms.hub import MEASURED
+
+    record = {"speedup": 2.5, "dense_ms": 10.0, "runtime_ms": 4.0, "device": "cpu", "threads": 1,
+              "input": "input_ids 1x32", "sparse_layers": "17/17", "layout": "auto"}  # fmt: skip
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.9, "uniform"))
+    stored = save_sparse(model, str(tmp_path / "s"), metrics=card_metrics(T5_RESULTS, speedup=3.715, measured=record))
+    card = model_card(stored, "me/t5-sms")
+    (line,) = [x for x in card.splitlines() if x.startswith(f"- {MEASURED}")]
+    assert "2.50x (10.00 ms dense vs 4.00 ms; cpu, 1 thread(s), input input_ids 1x32" in line
+    assert f"- {SPEEDUP}: **3.715x**" in card
+    assert "hf-sms speed DIR" in model_card(t5_dir, "me/t5-sms")  # unknown: says how to measure it

@@ -227,3 +227,50 @@ def test_a_tied_embedding_and_lm_head_share_one_csr(tmp_path):
     with pytest.raises(ValueError, match="do not have the mask recorded"):
         load_sparse(str(tmp_path / "ckpt"), runtime="csr")
     assert load_sparse(str(tmp_path / "ckpt"), runtime="csr", verify=False) is not None
+
+
+# -- measured speedups in reports ----------------------------------------------------------------------------------
+def test_an_sms_run_reports_the_measured_speedup_of_its_final_soup(tmp_path, capsys):
+    import json
+
+    from conftest import sms_config
+
+    from hf_sms import run_sms
+    from hf_sms.cli import main
+    from hf_sms.data import load_digits_splits
+    from hf_sms.demo import DigitsResNet
+    from hf_sms.evaluation import ClassificationAccuracy
+
+    train, val, test = load_digits_splits(seed=0)
+    args = sms_config(tmp_path, n_phases=1, max_steps=2)
+    _, results = run_sms(DigitsResNet(width=8), args, train, ClassificationAccuracy(), eval_dataset=val)
+    record = results["measured_speedup"]
+    assert record["speedup"] > 0 and record["dense_ms"] > 0 and record["threads"] == torch.get_num_threads()
+    assert record["input"].startswith("x 8x1x8x8")  # one validation batch (per_device_eval_batch_size)
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())["measured_speedup"]
+    soup = json.loads((tmp_path / "run" / "final_soup" / "sparsity.json").read_text())["metrics"]
+    assert saved == record and soup["measured_speedup"] == record and soup["speedup"] > 1
+    assert main(["table", str(tmp_path / "run" / "results.json")]) == 0
+    assert f"measured {record['speedup']:.2f}x" in capsys.readouterr().out
+    off = run_sms(
+        DigitsResNet(width=8), sms_config(tmp_path / "off", n_phases=1, max_steps=2, measure_speedup=False),
+        train, ClassificationAccuracy(), eval_dataset=val,
+    )[1]  # fmt: skip
+    assert "measured_speedup" not in off
+
+
+@pytest.mark.parametrize("case", ["t5", "timm"])
+def test_hf_sms_speed_times_a_saved_soup(tmp_path, capsys, case):
+    from hf_sms import save_sparse
+    from hf_sms.cli import main
+
+    make, _ = CASES[case]
+    save_sparse(_pruned(make()), str(tmp_path / "soup"))
+    flags = ["--threads", "1", "--repeats", "3"] + (["--image-size", "32", "--no-memory"] if case == "timm" else [])
+    assert main(["speed", str(tmp_path / "soup"), *flags]) == 0
+    out = capsys.readouterr().out
+    assert "latency:" in out and "ms dense vs" in out and "weights:" in out
+    assert ("peak RSS above imports" in out) == (case == "t5")
+    save_sparse(_pruned(_mlp()), str(tmp_path / "plain"))
+    assert main(["speed", str(tmp_path / "plain")]) == 2  # a plain torch model needs a template: a clear error
+    assert "template" in capsys.readouterr().err

@@ -89,11 +89,18 @@ class RuntimeReport:
         return "\n".join(lines)
 
 
+_PLAIN = (nn.Linear, nn.Conv2d, nn.Embedding)
+
+
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
     """``(name, module, kind, 2-D weight)`` of every layer the runtime can compute sparsely."""
     inside_mha = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     out = []
     for name, module in model.named_modules():
+        # a subclass with its own forward (timm's Conv2dSame pads on the fly, LoRA layers add a branch)
+        # computes something else than its weight alone: it stays as it is
+        if any(isinstance(module, t) and type(module).forward is not t.forward for t in _PLAIN):
+            continue
         if isinstance(module, nn.Linear) and id(module) not in inside_mha:
             out.append((name, module, "linear", module.weight))
         elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' GPT-2 layers: x @ W
@@ -323,7 +330,8 @@ def _decide(model, swaps: dict[str, Swap], by_name, sample_input, margin, repeat
             choice.dense_ms, choice.sparse_ms = dense_ms, sparse_ms
             expected, got = dense.forward(x), swap.sparse(x)
             tol = 1e-2 if x.dtype in (torch.float16, torch.bfloat16) else 1e-4
-            if not torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol * float(expected.abs().max())):
+            atol = tol * float(expected.abs().max()) if expected.numel() else tol
+            if got.shape != expected.shape or not torch.allclose(got.float(), expected.float(), rtol=tol, atol=atol):
                 choice.layout, choice.reason = "dense", "sparse output differs from dense (kept dense)"
             elif sparse_ms * margin > dense_ms:
                 choice.layout, choice.reason = "dense", f"sparse not {margin}x faster on the sample"
