@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The prepared GPU check: one call of under 8 minutes on a lent GPU machine; record what it prints in
+# docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny versions of every step (tests/test_gpu_check.py).
+#
+#   bash benchmarks/gpu_check.sh            # a CUDA GPU (compute capability >= 8.0 for the 2:4 rows)
+#   bash benchmarks/gpu_check.sh --dry-run  # any machine: checks that every step runs
+#
+# (a) SparseSoupTrainer vs plain Trainer seconds per step in bf16 on CUDA (target <= 1.02x), and that masks stay
+#     exact after the bf16 autocast steps; (b) the sparse runtime (csr, 2:4 semi_structured) vs dense cuBLAS on
+#     T5-small shapes; (c) a --smoke recipe run under `accelerate launch` on the GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+PY=${PYTHON:-python3}
+"$PY" - <<'EOF'
+import importlib, sys
+missing = [m for m in ("torch", "transformers", "accelerate", "timm", "safetensors") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"missing packages {missing}: install hf-sms's dependencies first (pip install -e .)")
+import torch
+print("torch", torch.__version__, "cuda:", torch.cuda.is_available() and torch.cuda.get_device_name(0))
+EOF
+OUTDIR=$(mktemp -d)
+trap 'rm -rf "$OUTDIR"' EXIT
+start=$SECONDS
+
+echo "== (a) mask overhead per training step, bf16 =="
+if [[ $DRY == 1 ]]; then
+  "$PY" benchmarks/mask_overhead.py --rounds 1 --steps 2 --warmup 1 --batch-size 8 --threads 1
+else
+  "$PY" benchmarks/mask_overhead.py --device cuda --bf16 --channels 64,128,256,512 --batch-size 128 \
+    --image-size 64 --rounds 6 --steps 30 --warmup 5
+  "$PY" benchmarks/mask_overhead.py --device cuda --bf16 --model t5 --batch-size 32 --seq-len 128 \
+    --optim adamw_torch --optim-args "" --rounds 4 --steps 30 --warmup 5
+fi
+echo "[$((SECONDS - start)) s]"
+
+echo "== (b) sparse runtime vs dense =="
+if [[ $DRY == 1 ]]; then
+  "$PY" benchmarks/gpu_runtime.py --dry-run
+else
+  "$PY" benchmarks/gpu_runtime.py
+fi
+echo "[$((SECONDS - start)) s]"
+
+echo "== (c) a --smoke recipe under accelerate launch =="
+if [[ $DRY == 1 ]]; then
+  "$PY" -m accelerate.commands.launch --cpu --num_processes 1 recipes/t5_wmt16.py --smoke --output_dir "$OUTDIR/smoke"
+else
+  "$PY" -m accelerate.commands.launch --num_processes 1 recipes/image_classification.py --smoke \
+    --output_dir "$OUTDIR/smoke" --use_cpu false --bf16 true
+fi
+"$PY" -m hf_sms.cli table "$OUTDIR/smoke/results.json"
+echo "[$((SECONDS - start)) s] gpu_check done"
