@@ -120,7 +120,7 @@ def _run_speed(args: argparse.Namespace) -> int:
     record = measure_speedup(model, x, layout=args.layout, repeats=args.repeats)
     print(f"{args.directory}: dense vs sparse runtime ({args.layout})")
     print(f"latency:  {format_measured(record)}")
-    print(f"weights:  {record['dense_weights_mb']:.1f} MB dense vs {record['runtime_weights_mb']:.1f} MB runtime")
+    print(f"weights:  {record['dense_weights_mb']:.2f} MB dense vs {record['runtime_weights_mb']:.2f} MB runtime")
     if not args.no_memory:
         dense, runtime = (_peak_mb(args.directory, m, args) for m in ("dense", args.layout))
         if dense is not None:
