@@ -10,6 +10,7 @@ tensor is read dense. Tensors the model ties together (T5's embedding and ``lm_h
 from __future__ import annotations
 
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -21,6 +22,7 @@ from ..runtime.convert import Swap, _candidates, _set, check_request, finish, pl
 from ..runtime.layers import SparseConv2d, SparseEmbedding, SparseLinear, csr_from_positions
 from .masks import MaskStats, check_masks, eligible, positions_mask
 from .reader import SparseCheckpoint
+from .safetensors_io import workers
 
 
 def _tensor_keys(model: nn.Module, ckpt: SparseCheckpoint) -> dict[str, str]:
@@ -83,37 +85,44 @@ def load_runtime(
     swaps: dict[str, Swap] = {}
     shared: dict[tuple[str, bool], torch.Tensor] = {}  # (checkpoint key, transposed): its CSR, for tied weights
     done: set[str] = set()  # model tensor names already in place
-    for name, module, kind, weight in [] if layout == "dense" else _candidates(model):
-        key = keys[f"{name}.weight"]
-        transposed = type(module).__name__ == "Conv1D"  # stores (in, out); the runtime multiplies by (out, in)
-        if (key, transposed) not in shared:
-            positions, values, shape = ckpt.read_sparse(key)
-            if stats is not None and key not in stats.per_tensor:
-                stats.add(key, positions_mask(positions, weight.numel()), "", shape)
-            sparsity = 1.0 - positions.numel() / max(weight.numel(), 1)
-            choice = plan(report, name, module, kind, _Shape(weight, values), sparsity, "csr", min_sparsity)
-            if choice.layout == "dense":
-                continue
-            matrix = (shape[0], weight.numel() // shape[0])
-            if transposed:
-                positions, values, matrix = _transposed(positions, values, matrix)
-            shared[key, transposed] = csr_from_positions(positions, values, matrix)
-        else:
-            report.layers.append(replace(next(c for c in report.layers if keys[f"{c.name}.weight"] == key), name=name))
-        csr = shared[key, transposed]
-        bias = getattr(module, "bias", None)
-        if bias is not None:
-            bias = ckpt.read(keys[f"{name}.bias"])
-            done.add(f"{name}.bias")
-        if kind == "embedding":
-            sparse = SparseEmbedding(csr, module.padding_idx)
-        elif kind == "linear":
-            sparse = SparseLinear(csr, bias, transposed)
-        else:
-            sparse = SparseConv2d.from_csr(module, csr, bias)
-        _set(model, name, sparse)
-        swaps[name] = Swap(None, sparse)
-        done.add(f"{name}.weight")
+    candidates = [] if layout == "dense" else _candidates(model)
+    reads = _Prefetch(ckpt, [keys[f"{name}.weight"] for name, *_ in candidates])
+    try:
+        for name, module, kind, weight in candidates:
+            key = keys[f"{name}.weight"]
+            transposed = type(module).__name__ == "Conv1D"  # stores (in, out); the runtime multiplies by (out, in)
+            if (key, transposed) not in shared:
+                positions, values, shape = reads.get(key)
+                if stats is not None and key not in stats.per_tensor:
+                    stats.add(key, positions_mask(positions, weight.numel()), "", shape)
+                sparsity = 1.0 - positions.numel() / max(weight.numel(), 1)
+                choice = plan(report, name, module, kind, _Shape(weight, values), sparsity, "csr", min_sparsity)
+                if choice.layout == "dense":
+                    continue
+                matrix = (shape[0], weight.numel() // shape[0])
+                if transposed:
+                    positions, values, matrix = _transposed(positions, values, matrix)
+                shared[key, transposed] = csr_from_positions(positions, values, matrix)
+            else:
+                report.layers.append(
+                    replace(next(c for c in report.layers if keys[f"{c.name}.weight"] == key), name=name)
+                )
+            csr = shared[key, transposed]
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                bias = ckpt.read(keys[f"{name}.bias"])
+                done.add(f"{name}.bias")
+            if kind == "embedding":
+                sparse = SparseEmbedding(csr, module.padding_idx)
+            elif kind == "linear":
+                sparse = SparseLinear(csr, bias, transposed)
+            else:
+                sparse = SparseConv2d.from_csr(module, csr, bias)
+            _set(model, name, sparse)
+            swaps[name] = Swap(None, sparse)
+            done.add(f"{name}.weight")
+    finally:
+        reads.close()
     _load_dense_rest(model, ckpt, keys, done, stats)
     if stats is not None:
         check_masks(ckpt, None, stats)
@@ -123,6 +132,33 @@ def load_runtime(
         return model
     finish(model, report, swaps, sample_input, 1.1, 7, device, measure=False)
     return model
+
+
+class _Prefetch:
+    """``ckpt.read_sparse`` of the given keys on a thread pool, a few ahead of their use, in order (numpy, zlib
+    and file reads release the GIL); at most ``2 * workers()`` decoded tensors wait at a time."""
+
+    def __init__(self, ckpt: SparseCheckpoint, keys: list[str]):
+        self.ckpt, self.order = ckpt, list(dict.fromkeys(keys))
+        self.pool = ThreadPoolExecutor(max_workers=workers())
+        self.pending: dict[str, Future] = {}
+        self.position = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.position < len(self.order) and len(self.pending) < 2 * workers():
+            key = self.order[self.position]
+            self.pending[key] = self.pool.submit(self.ckpt.read_sparse, key)
+            self.position += 1
+
+    def get(self, key: str):
+        future = self.pending.pop(key, None)
+        result = future.result() if future is not None else self.ckpt.read_sparse(key)
+        self._fill()
+        return result
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Shape:

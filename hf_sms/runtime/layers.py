@@ -66,13 +66,10 @@ def csr_from_positions(positions: torch.Tensor, values: torch.Tensor, shape: tup
     memory error in the kernel, not an exception)."""
     rows, cols = shape
     index = torch.int32 if rows * cols < 2**31 else torch.int64
-    positions = positions.to(torch.int64)
-    crow = torch.zeros(rows + 1, dtype=torch.int64)
-    crow[1:] = torch.bincount(positions // cols, minlength=rows).cumsum(0)
+    positions = positions.to(index)  # sorted: row r's entries are those in [r * cols, (r + 1) * cols)
+    crow = torch.searchsorted(positions, torch.arange(rows + 1, dtype=index) * cols).to(index)
     with _quiet_beta():
-        return torch.sparse_csr_tensor(
-            crow.to(index), (positions % cols).to(index), values, size=shape, check_invariants=True
-        )
+        return torch.sparse_csr_tensor(crow, positions % cols, values, size=shape, check_invariants=True)
 
 
 def sparse_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
