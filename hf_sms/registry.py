@@ -1,25 +1,111 @@
-"""Registries of pluggable methods (allocations, soups, baselines, pruning methods): a new method is one
-function and one decorator line, and a name is registered once."""
+"""One ``Registry`` class for every table of pluggable pieces: allocations, LR schedules, soups, pruning methods,
+baselines, model families. A new piece is one registration; a lookup that fails says what there is.
+
+Like peft's and mergekit's registries: entries are registered by name (a plain identifier: names become folder
+names and command-line choices), once; each may carry metadata and a ``check(config)`` that validates a run
+configuration for it before any work (e.g. BIMP's epoch range), so the config loops over entries instead of
+knowing them.
+"""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
-def registrar(table: dict, kind: str) -> Callable[[str], Callable]:
-    """``register = registrar(TABLE, "allocation")``; then ``@register("name")`` adds a function to ``TABLE``."""
+@dataclass
+class Entry(Generic[T]):
+    """A registered piece: the object, its metadata, and the check a config must pass to use it."""
 
-    def register(name: str) -> Callable:
-        def deco(fn: Callable) -> Callable:
-            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
-                # names become folder names (run/<baseline>/phase1) and command-line choices
-                raise ValueError(f"{kind} name {name!r} must be a plain identifier (letters, digits, _)")
-            if name in table:
-                raise ValueError(f"{kind} {name!r} is already registered")
-            table[name] = fn
-            return fn
+    name: str
+    obj: T
+    meta: dict = field(default_factory=dict)
+    check: Callable[[object], None] | None = None
 
-        return deco
 
-    return register
+class Registry(Generic[T]):
+    """A named table. ``@REG.register("name", check=fn, **meta)`` adds an entry; ``REG.get("name")`` returns it.
+
+    Args:
+        kind: what the entries are, for messages ("allocation", "soup method", ...).
+        parse: optional ``parse(name) -> object | None`` for names that are patterns rather than entries (the
+            n:m allocations, ``"2:4"``); tried before the table.
+        hint: appended to the "unknown" message, e.g. how to write a pattern.
+    """
+
+    def __init__(self, kind: str, parse: Callable[[str], T | None] | None = None, hint: str = ""):
+        self.kind, self.parse, self.hint = kind, parse, hint
+        self._entries: dict[str, Entry[T]] = {}
+
+    def register(self, name: str, *, check: Callable[[object], None] | None = None, **meta) -> Callable[[T], T]:
+        """Decorator adding ``obj`` under ``name`` (a plain identifier, new to this registry)."""
+
+        def add(obj: T) -> T:
+            self.add(name, obj, check=check, **meta)
+            return obj
+
+        return add
+
+    def add(self, name: str, obj: T, *, check: Callable[[object], None] | None = None, **meta) -> T:
+        """Add ``obj`` under ``name``; see :meth:`register`."""
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(f"{self.kind} name {name!r} must be a plain identifier (letters, digits, _)")
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._entries[name] = Entry(name, obj, meta, check)
+        return obj
+
+    def get(self, name: str) -> T:
+        """The entry called ``name``, or a ``ValueError`` naming the choices."""
+        if self.parse is not None:
+            parsed = self.parse(name)
+            if parsed is not None:
+                return parsed
+        if name not in self._entries:
+            hint = f" {self.hint}" if self.hint else ""
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of {self.names()}{hint}")
+        return self._entries[name].obj
+
+    def entry(self, name: str) -> Entry[T]:
+        self.get(name)  # the same error for an unknown name
+        return self._entries[name]
+
+    def meta(self, name: str) -> dict:
+        """The metadata ``name`` was registered with (``{}`` for a parsed pattern)."""
+        return self._entries[name].meta if name in self._entries else {}
+
+    def check(self, name: str, config) -> None:
+        """Validate ``config`` for the entry ``name`` (unknown names raise; entries without a check pass)."""
+        self.get(name)
+        entry = self._entries.get(name)
+        if entry is not None and entry.check is not None:
+            entry.check(config)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def items(self):
+        return [(n, e.obj) for n, e in self._entries.items()]
+
+    def values(self):
+        return [e.obj for e in self._entries.values()]
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {self.names()})"
