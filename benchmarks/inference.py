@@ -100,7 +100,7 @@ def bench_t5(sparsities, threads, repeats, quick):
 
 
 def bench_vision(threads, repeats, quick):
-    from hf_sms.structured import shrink_filters
+    from hf_sms.pruning.structured import shrink_filters
 
     print(f"\n### Vision models, batch 1, {threads} thread(s)\n")
     row("model", "pruning", "dense ms", "runtime / shrunk ms", "speedup", "sparse layers", "weights MB dense", "now")

@@ -125,6 +125,60 @@ def run(kind: str, base, masks, data, is_hf: bool, opts) -> tuple[list[float], l
     return timer.step_times(opts.warmup, 0), timer.step_times(opts.warmup, 1)
 
 
+def bare(opts, base, masks, data) -> None:
+    """A bare training loop three ways, interleaved: no masks, hf-sms's masking policy (ExactMasking: masked
+    gradients, and the after-step passes only where the optimizer needs them), and torch.nn.utils.prune's
+    reparametrisation (weight = weight_orig * mask in a forward pre-hook)."""
+    from torch.nn.utils import prune as torch_prune
+
+    from hf_sms.pruning import ExactMasking, MaskEnforcer
+
+    x = torch.stack([d["x"] for d in data[: opts.batch_size]])
+    y = torch.stack([torch.as_tensor(d["labels"]) for d in data[: opts.batch_size]])
+
+    def make(kind):
+        model = copy.deepcopy(base).train()
+        policy = None
+        if kind == "torch_prune":
+            for name, mask in masks.items():
+                module, attr = name.rsplit(".", 1)
+                torch_prune.custom_from_mask(model.get_submodule(module), attr, mask)
+        optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        if kind == "hf_sms":
+            policy = ExactMasking()
+            policy.bind(MaskEnforcer(model, masks))
+            policy.start(optimizer)
+        return model, optimizer, policy
+
+    def step(model, optimizer, policy):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if policy is not None:
+            policy.before_step()
+        optimizer.step()
+        if policy is not None:
+            policy.after_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+    kinds = ("plain", "hf_sms", "torch_prune")
+    runs = {k: make(k) for k in kinds}
+    times = {k: [] for k in kinds}
+    for r in range(opts.rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            for i in range(opts.warmup + opts.steps):
+                start = time.perf_counter()
+                step(*runs[kind])
+                if i >= opts.warmup:
+                    times[kind].append(time.perf_counter() - start)
+    plain = statistics.median(times["plain"])
+    for kind in kinds:
+        t = statistics.median(times[kind])
+        print(f"bare loop {kind:11s}: {t * 1e3:7.2f} ms/step, {t / plain:.3f}x plain")
+    model, _, _ = runs["hf_sms"]
+    params = dict(model.named_parameters())
+    assert all(int((params[n].detach()[~m] != 0).sum()) == 0 for n, m in masks.items()), "hf-sms mask broken"
+    print("target: hf-sms <= 1.03x plain and ahead of torch.nn.utils.prune")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18", help="a timm model name, or 't5' for a 4+4 layer T5")
@@ -144,6 +198,7 @@ def main():
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the Trainer's GPU")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (TrainingArguments.bf16)")
+    p.add_argument("--bare", action="store_true", help="a bare loop: plain vs hf-sms's policy vs torch.nn.utils.prune")
     p.add_argument("--keep-denormals", action="store_true", help="do not flush denormal floats to zero")
     opts = p.parse_args()
     if opts.threads:
@@ -165,6 +220,8 @@ def main():
         f"batch={opts.batch_size} threads={torch.get_num_threads()} steps/run={opts.steps} rounds={opts.rounds} "
         f"flush_denormal={not opts.keep_denormals} device={opts.device} bf16={opts.bf16}"
     )
+    if opts.bare:
+        return bare(opts, base, masks, data)
     # times[clock][kind]: per-step seconds of all runs; medians[clock][kind]: one median per run
     times = {c: {"plain": [], "sparse": []} for c in ("wall", "cpu")}
     medians = {c: {"plain": [], "sparse": []} for c in ("wall", "cpu")}

@@ -22,13 +22,13 @@ import time
 import torch
 from transformers import Trainer
 
-import hf_sms.sms
+import hf_sms.loop.sms
 from hf_sms import SparseSoupConfig, SparseSoupTrainer
 from hf_sms.data import load_digits_splits
 from hf_sms.demo import DigitsResNet, pretrain
 from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.loop.sms import SparseModelSoup
 from hf_sms.results import format_table, metric_table, save_results
-from hf_sms.sms import SparseModelSoup
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--output-dir", default="runs/table1")
@@ -54,7 +54,7 @@ if cli.seeding == "offset":  # the old behaviour, for the before/after compariso
         return [{**h, "seed": self.seed + i} for i, h in enumerate(replica_overrides(self, phase))]
 
     SparseSoupConfig.replica_overrides = offset_overrides
-    hf_sms.sms.derive_seed = lambda seed, name, phase, i: seed + i
+    hf_sms.loop.sms.derive_seed = lambda seed, name, phase, i: seed + i
     SparseSoupTrainer._get_train_sampler = Trainer._get_train_sampler
 
 accuracy = ClassificationAccuracy()

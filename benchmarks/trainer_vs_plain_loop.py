@@ -31,7 +31,7 @@ from hf_sms import SparseSoupConfig, SparseSoupTrainer, prune
 from hf_sms.data import load_digits_splits
 from hf_sms.demo import DigitsResNet, pretrain
 from hf_sms.evaluation import predict_proba
-from hf_sms.masking import MaskEnforcer
+from hf_sms.pruning.enforcement import MaskEnforcer
 from hf_sms.schedules import RETRAIN_SCHEDULES, ScheduleContext, allr_start_lr
 from hf_sms.seeding import EpochShuffleSampler, derive_seed
 

@@ -1,16 +1,23 @@
 """hf-sms: Sparse Model Soups (Zimmer, Spiegel, Pokutta; ICLR 2024) for the Hugging Face ecosystem."""
 
-from .allocations import ALLOCATIONS
+from . import baselines, methods, soup  # noqa: F401  (registering every soup, method and baseline)
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import load_sparse, save_sparse, transformers_integration
 from .config import SparseSoupConfig
 from .hub import push_to_hub
-from .merge import MERGE_METHODS, greedy_soup, uniform_soup
-from .prunable import prunable_tensors
-from .pruning import PruningStep, apply_masks, compute_masks, phase_sparsities, prune, sparsity_report
+from .loop.sms import SparseModelSoup, run_sms
+from .pruning import (
+    PruningStep,
+    apply_masks,
+    compute_masks,
+    phase_sparsities,
+    prunable_tensors,
+    prune,
+    sparsity_report,
+)
+from .registry import ALLOCATIONS, BASELINES, PRUNING_METHODS, RETRAIN_SCHEDULES, SOUPS, Registry
 from .runtime import to_sparse_runtime
-from .schedules import RETRAIN_SCHEDULES
-from .sms import SparseModelSoup, run_sms
+from .soup import greedy_soup, uniform_soup
 from .trainer import SparseSoupTrainer
 
 transformers_integration.register()  # AutoModel*.from_pretrained(dir) decodes bitmask checkpoints
@@ -18,9 +25,12 @@ transformers_integration.register()  # AutoModel*.from_pretrained(dir) decodes b
 __version__ = "0.1.0"
 __all__ = [
     "ALLOCATIONS",
-    "MERGE_METHODS",
+    "BASELINES",
+    "PRUNING_METHODS",
     "RETRAIN_SCHEDULES",
+    "SOUPS",
     "PruningStep",
+    "Registry",
     "SparseModelSoup",
     "SparseSoupConfig",
     "SparseSoupTrainer",

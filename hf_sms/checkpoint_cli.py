@@ -11,7 +11,14 @@ import sys
 
 import torch
 
-from .checkpoint import FORMATS, STREAMING_METHODS, SparseCheckpoint, inspect_checkpoint, load_sparse, merge_checkpoints
+from .checkpoint import (
+    FORMATS,
+    SparseCheckpoint,
+    inspect_checkpoint,
+    load_sparse,
+    merge_checkpoints,
+    streaming_methods,
+)
 from .runtime.speed import format_measured, measure_speedup
 
 
@@ -52,7 +59,7 @@ def format_report(report: dict) -> str:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    info = merge_checkpoints(args.inputs, args.output, args.method, args.format, args.overwrite)
+    info = merge_checkpoints(args.inputs, args.output, args.method, args.format, args.overwrite, args.weights)
     print(f"merged {len(args.inputs)} checkpoints into {args.output} ({args.format}, sparsity {info['sparsity']:.4f})")
     return 0
 
@@ -84,29 +91,32 @@ def sample_input(directory: str, batch_size: int = 1, seq_len: int = 32, image_s
     return torch.randn(batch_size, channels, size, size, generator=g)
 
 
-_PEAK = r"""
-import sys, torch
-torch.set_num_threads(int(sys.argv[3]))
-from hf_sms import load_sparse
-from hf_sms.checkpoint_cli import sample_input
-def hwm():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
-before = hwm()
-folder, runtime = sys.argv[1], (None if sys.argv[2] == "dense" else sys.argv[2])
-x = sample_input(folder, *map(int, sys.argv[4:6]), int(sys.argv[6]) or None)
-model = load_sparse(folder, runtime=runtime, sample_input=x if runtime == "auto" else None)
-with torch.inference_mode():
-    model(**x) if isinstance(x, dict) else model(x)
-print(before, hwm())
-"""
+def _hwm_mb() -> float:
+    """This process's peak resident memory (VmHWM, Linux; ru_maxrss would carry a parent's over exec)."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1024
+
+
+def _run_peak(args: argparse.Namespace) -> int:
+    """The child of ``hf-sms speed``: load the soup one way, run it once, print peak memory before and after."""
+    torch.set_num_threads(args.threads)
+    before = _hwm_mb()
+    x = sample_input(args.directory, args.batch_size, args.seq_len, args.image_size)
+    runtime = None if args.peak_of == "dense" else args.peak_of
+    model = load_sparse(args.directory, runtime=runtime, sample_input=x if runtime == "auto" else None)
+    with torch.inference_mode():
+        model(**x) if isinstance(x, dict) else model(x)
+    print(before, _hwm_mb())
+    return 0
 
 
 def _peak_mb(directory: str, mode: str, args: argparse.Namespace) -> float | None:
     """Peak RSS above imports (MB) of a fresh process that loads ``directory`` (dense or runtime) and runs once."""
     if not os.path.exists("/proc/self/status"):
         return None  # VmHWM is Linux's
-    argv = [directory, mode, str(args.threads), str(args.batch_size), str(args.seq_len), str(args.image_size or 0)]
-    out = subprocess.run([sys.executable, "-c", _PEAK, *argv], capture_output=True, text=True)
+    argv = ["speed", directory, "--peak-of", mode, "--threads", str(args.threads), "--batch-size", str(args.batch_size)]
+    argv += ["--seq-len", str(args.seq_len)] + (["--image-size", str(args.image_size)] if args.image_size else [])
+    out = subprocess.run([sys.executable, "-m", "hf_sms.cli", *argv], capture_output=True, text=True)
     if out.returncode:
         raise ValueError(f"measuring memory failed: {out.stderr.strip().splitlines()[-1:]}")
     before, after = map(float, out.stdout.split()[-2:])
@@ -114,6 +124,8 @@ def _peak_mb(directory: str, mode: str, args: argparse.Namespace) -> float | Non
 
 
 def _run_speed(args: argparse.Namespace) -> int:
+    if args.peak_of:
+        return _run_peak(args)
     torch.set_num_threads(args.threads)
     x = sample_input(args.directory, args.batch_size, args.seq_len, args.image_size)
     model = load_sparse(args.directory)
@@ -151,7 +163,10 @@ def add_parsers(subparsers) -> None:
         "--output soup). Greedy soups need an evaluation function: use hf_sms.greedy_soup in Python.",
     )
     p.add_argument("inputs", nargs="+", metavar="DIR", help="checkpoint folders (save_sparse or save_pretrained)")
-    p.add_argument("--method", default="uniform", choices=STREAMING_METHODS, help="merge method (default: uniform)")
+    p.add_argument(
+        "--method", default="uniform", help=f"a soup method needing no validation data: {streaming_methods()}"
+    )
+    p.add_argument("--weights", type=float, nargs="+", help="one positive weight per input (normalised to sum 1)")
     p.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (not one of the inputs)")
     p.add_argument("--format", default="bitmask", choices=FORMATS, help="output format (default: bitmask)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -176,4 +191,5 @@ def add_parsers(subparsers) -> None:
     r.add_argument("--layout", default="auto", choices=["auto", "csr"])
     r.add_argument("--repeats", type=int, default=7)
     r.add_argument("--no-memory", action="store_true", help="skip the two fresh-process memory measurements")
+    r.add_argument("--peak-of", choices=["dense", "auto", "csr"], help=argparse.SUPPRESS)  # the memory child
     r.set_defaults(func=_guarded(_run_speed))

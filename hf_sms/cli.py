@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 
+from . import checkpoint_cli, demo
+from .results import format_table, measured_line, reported_tests
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-sms", description="Sparse Model Soups for the Hugging Face ecosystem.")
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import checkpoint_cli, demo
 
     demo.add_parser(sub)
     p = sub.add_parser("table", help="Print Table-1 shaped tables from results.json files (mean ± std over runs).")
@@ -23,8 +25,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(args) -> int:
-    from .results import format_table, measured_line, reported_tests
-
     runs = []
     for path in args.results:
         with open(path) as f:

@@ -8,11 +8,9 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
-from .allocations import ALLOCATIONS, get_allocation, parse_n_of_m
-from .baselines import BASELINES
-from .merge import MERGE_METHODS
-from .pruning import phase_sparsities
-from .schedules import PRETRAIN_SHAPES, RETRAIN_SCHEDULES
+from .pruning.allocations import parse_n_of_m
+from .pruning.masks import phase_sparsities
+from .registry import ALLOCATIONS, BASELINES, PRETRAIN_SHAPES, PRUNING_METHODS, RETRAIN_SCHEDULES, SOUPS
 from .seeding import derive_seed
 
 
@@ -48,11 +46,11 @@ class SparseSoupConfig(TrainingArguments):
     n_phases: int = field(default=3, metadata={"help": "Number of prune-retrain(-merge) phases."})
     allocation: str = field(
         default="global",
-        metadata={"help": f"How sparsity is spread over layers: one of {sorted(ALLOCATIONS)}, or 'n:m' (e.g. '2:4')."},
+        metadata={"help": "How sparsity is spread over layers: a name in hf_sms.registry.ALLOCATIONS, or 'n:m' (2:4)."},
     )
     # Retraining
     retrain_schedule: str = field(
-        default="llr", metadata={"help": f"Retraining LR schedule: one of {sorted(RETRAIN_SCHEDULES)}."}
+        default="llr", metadata={"help": "Retraining LR schedule: ft, lrw, slr, clr, llr or allr."}
     )
     pretrain_learning_rate: float | None = field(
         default=None, metadata={"help": "Peak LR eta_max of the original training (default: learning_rate)."}
@@ -65,7 +63,8 @@ class SparseSoupConfig(TrainingArguments):
         },
     )
     pretrain_schedule: str = field(
-        default="linear", metadata={"help": f"Shape of the original LR schedule: one of {sorted(PRETRAIN_SHAPES)}."}
+        default="linear",
+        metadata={"help": "Shape of the original LR schedule: a name in hf_sms.registry.PRETRAIN_SHAPES."},
     )
     pretrain_epochs: float | None = field(
         default=None, metadata={"help": "Length T of the original training in epochs (needed by LRW, SLR, ALLR)."}
@@ -151,7 +150,7 @@ class SparseSoupConfig(TrainingArguments):
         default=0.1, metadata={"help": "Fraction of train split off (fixed seed) for validation when none is given."}
     )
     baselines: list[str] = field(
-        default_factory=list, metadata={"help": f"Baselines run beside SMS: any of {sorted(BASELINES)}."}
+        default_factory=list, metadata={"help": "Baselines run beside SMS: any of imp, imp_mx, imp_reprune."}
     )
     measure_speedup: bool = field(
         default=True,
@@ -171,33 +170,30 @@ class SparseSoupConfig(TrainingArguments):
     def __post_init__(self):
         super().__post_init__()
         phase_sparsities(self.target_sparsity, self.n_phases)  # raises ValueError on bad input
-        choices = {
-            "retrain_schedule": (self.retrain_schedule, RETRAIN_SCHEDULES),
-            "pretrain_schedule": (self.pretrain_schedule, PRETRAIN_SHAPES),
-        }
         if not self.merge_methods or len(set(self.merge_methods)) != len(self.merge_methods):
             raise ValueError(f"merge_methods={self.merge_methods} must name each soup method once, e.g. ['uniform']")
-        unknown = sorted(set(self.merge_methods) - set(MERGE_METHODS))
-        if unknown:
-            raise ValueError(f"merge_methods {unknown} are unknown; choose from {sorted(MERGE_METHODS)}")
+        if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
+        # Every named piece must exist, and passes its own check of this config (the registries own the rules).
+        named = [
+            ("allocation", ALLOCATIONS, [self.allocation]),
+            ("retrain_schedule", RETRAIN_SCHEDULES, [self.retrain_schedule]),
+            ("pretrain_schedule", PRETRAIN_SHAPES, [self.pretrain_schedule]),
+            ("merge_methods", SOUPS, self.merge_methods),
+            ("baselines", BASELINES, self.baselines),
+            ("pruning_method", PRUNING_METHODS, [] if self.pruning_method == "imp" else [self.pruning_method]),
+        ]
+        for field_name, registry, values in named:
+            for value in values:
+                try:
+                    registry.check(value, self)
+                except ValueError as e:
+                    raise ValueError(f"{field_name}={value!r}: {e}") from None
         nm = parse_n_of_m(self.allocation)
-        get_allocation(self.allocation)  # raises, naming the choices, on an unknown one
         if nm is not None and abs(self.target_sparsity - (1 - nm[0] / nm[1])) > 1e-9:
             raise ValueError(
                 f"allocation={self.allocation!r} prunes linear weights to exactly {1 - nm[0] / nm[1]:g}: set "
                 f"target_sparsity={1 - nm[0] / nm[1]:g}"
-            )
-        for name, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(allowed)}")
-        unknown = sorted(set(self.baselines) - set(BASELINES))
-        if unknown:
-            raise ValueError(f"baselines {unknown} are unknown; choose from {sorted(BASELINES)}")
-        if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
-        if "imp_reprune" in self.baselines and self.num_replicas < 2:
-            raise ValueError(
-                "baselines=['imp_reprune'] averages num_replicas independent IMP runs, so it needs num_replicas >= 2"
             )
         if self.pretrain_epochs is not None and not self.pretrain_epochs > 0:
             raise ValueError(
@@ -222,12 +218,14 @@ class SparseSoupConfig(TrainingArguments):
                 "replica_epochs varies the retraining length in epochs, but max_steps > 0 fixes it in steps; "
                 "set max_steps=-1 (the default) or drop replica_epochs"
             )
-        self._check_pruning_method()
+        if self.lr_schedule not in ("retrain", "original"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose 'retrain' or 'original'")
         if not 0.0 <= self.retrain_warmup_fraction < 1.0:
             raise ValueError(f"retrain_warmup_fraction must be in [0, 1), got {self.retrain_warmup_fraction}")
         if not 0.0 < self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
-        known_length = self.pretrain_epochs or (self.pruning_method == "bimp" and self.bimp_pretrain_epochs)
+        method = PRUNING_METHODS.meta(self.pruning_method) if self.pruning_method != "imp" else {}
+        known_length = self.pretrain_epochs or method.get("original_length", lambda config: None)(self)
         if self.retrain_schedule in ("lrw", "slr", "allr") and not known_length:
             raise ValueError(
                 f"retrain_schedule={self.retrain_schedule!r} needs the original training's length: set "
@@ -235,43 +233,6 @@ class SparseSoupConfig(TrainingArguments):
             )
         if self.retrain_schedule == "ft" and self.eta_min <= 0:
             raise ValueError("retrain_schedule='ft' trains at eta_min, which is 0 here: set pretrain_min_learning_rate")
-
-    def _check_pruning_method(self) -> None:
-        from .pruning_methods import PRUNING_METHODS  # the methods import the loop, which imports this module
-
-        if self.pruning_method not in {"imp", *PRUNING_METHODS}:
-            raise ValueError(
-                f"pruning_method={self.pruning_method!r} is unknown; choose imp, {sorted(PRUNING_METHODS)}"
-            )
-        if self.lr_schedule not in ("retrain", "original"):
-            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose 'retrain' or 'original'")
-        if self.pruning_method == "imp":
-            return
-        if self.baselines:
-            raise ValueError(
-                f"baselines compare against IMP; for pruning_method={self.pruning_method!r} run num_replicas=1 for "
-                "the plain method beside the +SMS run instead"
-            )
-        if not isinstance(self.pruning_steps, int) or self.pruning_steps < 1:
-            raise ValueError(f"pruning_steps must be an integer >= 1, got {self.pruning_steps!r}")
-        if not isinstance(self.dpf_interval, int) or self.dpf_interval < 1:
-            raise ValueError(f"dpf_interval must be an integer >= 1 (iterations), got {self.dpf_interval!r}")
-        budget = self.num_train_epochs if self.max_steps <= 0 else None
-        if self.sms_start_epoch is not None and (
-            self.sms_start_epoch < 0 or (budget is not None and self.sms_start_epoch >= budget)
-        ):
-            raise ValueError(
-                f"sms_start_epoch={self.sms_start_epoch} must lie in [0, num_train_epochs={self.num_train_epochs}); "
-                "copies that start after the end never train"
-            )
-        if self.pruning_method == "bimp":
-            if budget is None:
-                raise ValueError("bimp splits a budget of num_train_epochs: set max_steps=-1")
-            if self.bimp_pretrain_epochs is None or not 0 < self.bimp_pretrain_epochs < budget:
-                raise ValueError(
-                    f"bimp needs 0 < bimp_pretrain_epochs < num_train_epochs={budget} (the paper: 60 or 75 of 100), "
-                    f"got {self.bimp_pretrain_epochs}"
-                )
 
     # -- the Hub token never leaves the process ------------------------------------------------------------
     def __getstate__(self) -> dict:

@@ -19,9 +19,9 @@ from transformers import Trainer, TrainingArguments
 from .checkpoint.constants import RESULTS_FILE
 from .config import SparseSoupConfig
 from .data import load_digits_splits
-from .evaluation import ClassificationAccuracy
+from .evaluation.metrics import ClassificationAccuracy
+from .loop.sms import SparseModelSoup
 from .results import format_table, measured_line, plot_results, save_results
-from .sms import SparseModelSoup
 from .trainer import cross_entropy_loss
 
 

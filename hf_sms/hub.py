@@ -35,7 +35,8 @@ def _read_info(directory: str) -> dict:
 
 
 def _family(info: dict) -> Family:
-    return FAMILIES.get(info.get("library"), FAMILIES["torch"])
+    library = info.get("library")
+    return FAMILIES.get(library) if library in FAMILIES else FAMILIES.get("torch")
 
 
 # Readable metric names -> the Hub's metric ids (https://huggingface.co/metrics), which the front matter lists;

@@ -60,6 +60,10 @@ class Registry(Generic[T]):
         self._entries[name] = Entry(name, obj, meta, check)
         return obj
 
+    def remove(self, name: str) -> T:
+        """Take an entry out again (a plugin or a test that registered one)."""
+        return self._entries.pop(name).obj
+
     def get(self, name: str) -> T:
         """The entry called ``name``, or a ``ValueError`` naming the choices."""
         if self.parse is not None:
@@ -109,3 +113,14 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"
+
+
+# -- the tables -------------------------------------------------------------------------------------------------
+# Declared here, filled where each piece lives (importing ``hf_sms`` imports them all), so the config validates
+# against them without importing the pieces and nothing imports in a circle.
+ALLOCATIONS: Registry = Registry("allocation", hint="or 'n:m' (e.g. '2:4')")  # hf_sms.pruning.allocations
+RETRAIN_SCHEDULES: Registry = Registry("retraining schedule")  # hf_sms.schedules
+PRETRAIN_SHAPES: Registry = Registry("original LR schedule shape")  # hf_sms.schedules
+SOUPS: Registry = Registry("soup method")  # hf_sms.soup: one file per soup
+PRUNING_METHODS: Registry = Registry("pruning method", hint="or 'imp' (the SMS loop)")  # hf_sms.methods: one file each
+BASELINES: Registry = Registry("baseline")  # hf_sms.baselines

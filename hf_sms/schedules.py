@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-# Shapes of the original (pre)training schedule on normalised time u in [0, 1].
-PRETRAIN_SHAPES: dict[str, Callable[[float, float, float], float]] = {
-    "linear": lambda u, hi, lo: hi + (lo - hi) * u,
-    "cosine": lambda u, hi, lo: lo + (hi - lo) * 0.5 * (1.0 + math.cos(math.pi * u)),
-    "step": lambda u, hi, lo: hi * (1.0 if u < 0.5 else 0.1 if u < 0.75 else 0.01),  # x0.1 at 50% and 75%
-    # The paper's ResNet-18 / CIFAR-10 pretraining: x0.1 at epochs 90 and 180 of 200.
-    "step_cifar": lambda u, hi, lo: hi * (1.0 if u < 0.45 else 0.1 if u < 0.9 else 0.01),
-    "constant": lambda u, hi, lo: hi,
-}
+from .registry import PRETRAIN_SHAPES, RETRAIN_SCHEDULES
+
+# Shapes of the original (pre)training schedule on normalised time u in [0, 1]: shape(u, lr_max, lr_min).
+PRETRAIN_SHAPES.add("linear", lambda u, hi, lo: hi + (lo - hi) * u)
+PRETRAIN_SHAPES.add("cosine", lambda u, hi, lo: lo + (hi - lo) * 0.5 * (1.0 + math.cos(math.pi * u)))
+PRETRAIN_SHAPES.add("step", lambda u, hi, lo: hi * (1.0 if u < 0.5 else 0.1 if u < 0.75 else 0.01))  # x0.1 at 50, 75%
+# The paper's ResNet-18 / CIFAR-10 pretraining: x0.1 at epochs 90 and 180 of 200.
+PRETRAIN_SHAPES.add("step_cifar", lambda u, hi, lo: hi * (1.0 if u < 0.45 else 0.1 if u < 0.9 else 0.01))
+PRETRAIN_SHAPES.add("constant", lambda u, hi, lo: hi)
 
 
 @dataclass(frozen=True)
@@ -93,14 +93,8 @@ def allr(step: int, ctx: ScheduleContext) -> float:
     return _with_warmup(step, ctx, ctx.start_lr, lambda t: ctx.start_lr * (1.0 - t))
 
 
-RETRAIN_SCHEDULES: dict[str, Callable[[int, ScheduleContext], float]] = {
-    "ft": ft,
-    "lrw": lrw,
-    "slr": slr,
-    "clr": clr,
-    "llr": llr,
-    "allr": allr,
-}
+for _schedule in (ft, lrw, slr, clr, llr, allr):  # lr(step, ctx) each
+    RETRAIN_SCHEDULES.add(_schedule.__name__, _schedule)
 
 
 def allr_start_lr(norm_fraction: float, phase_fraction: float, lr_max: float, length_ratio: float) -> float:
@@ -108,7 +102,7 @@ def allr_start_lr(norm_fraction: float, phase_fraction: float, lr_max: float, le
 
     Args:
         norm_fraction: d, relative norm of the weights this phase pruned
-            (:func:`hf_sms.pruning.pruned_norm_fraction`).
+            (:func:`hf_sms.pruning.masks.pruned_norm_fraction`).
         phase_fraction: q, fraction of the weights pruned in this phase (not the cumulative sparsity).
         lr_max: eta_max of the original training.
         length_ratio: R / T in epochs.
@@ -121,9 +115,7 @@ def allr_start_lr(norm_fraction: float, phase_fraction: float, lr_max: float, le
 
 def make_lr_scheduler(optimizer: torch.optim.Optimizer, name: str, ctx: ScheduleContext):
     """A ``LambdaLR`` following schedule ``name``; the optimizer's initial lr is the unit it scales."""
-    if name not in RETRAIN_SCHEDULES:
-        raise ValueError(f"unknown retraining schedule {name!r}; choose one of {sorted(RETRAIN_SCHEDULES)}")
-    fn = RETRAIN_SCHEDULES[name]
+    fn = RETRAIN_SCHEDULES.get(name)
     base = optimizer.param_groups[0]["lr"]
     if base <= 0:
         raise ValueError("the optimizer's learning rate must be > 0 to scale a retraining schedule")

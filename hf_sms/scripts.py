@@ -21,11 +21,14 @@ from accelerate.utils import broadcast
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from .checkpoint import SPARSITY_NAME, load_sparse, save_sparse
-from .distributed import launched_world_size
+from .evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, load_cifar_c
+from .evaluation.named import MeanOverSets
+from .evaluation.subgroups import SubgroupRecall
+from .loop.distributed import launched_world_size
+from .loop.sms import SparseModelSoup
 from .results import format_table, measured_line, reported_tests
 from .schedules import PRETRAIN_SHAPES
 from .smoke import SMOKE_ARGS
-from .sms import SparseModelSoup
 from .trainer import SparseSoupTrainer
 
 logger = logging.getLogger("hf_sms")
@@ -144,8 +147,7 @@ class DataArguments:
 
     def subgroup_metric(self, collate_fn: Callable | None = None):
         """Recall of every (``group_column``, ``label_column``) pair, both binary, e.g. "Male,not Blond_Hair";
-        its score is the worst one (:class:`~hf_sms.subgroups.SubgroupRecall`, items carry ``group``)."""
-        from .subgroups import SubgroupRecall
+        its score is the worst one (:class:`~hf_sms.evaluation.subgroups.SubgroupRecall`, items carry ``group``)."""
 
         group, target = self.group_column, self.label_column
         names = {"group_names": {0: f"not {group}", 1: group}, "class_names": {0: f"not {target}", 1: target}}
@@ -188,8 +190,6 @@ class OODArguments:
             metric: the accuracy each corrupted set is scored with.
             seed: seeds the on-the-fly corruptions (each image's own seed derives from it).
         """
-        from .corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, load_cifar_c
-        from .evaluators import MeanOverSets
 
         severities = self.ood_severities or SEVERITIES
         if self.ood_dir:
@@ -250,7 +250,7 @@ def prepared_splits(raw, prepare, args, data: DataArguments) -> tuple:
 def stack_collate(items: list[dict]) -> dict:
     """Batch items such as ``{"x": tensor, "labels": int or tensor}`` by stacking each key.
 
-    A ``group`` key (the attribute :class:`~hf_sms.subgroups.SubgroupRecall` reads) is left out: it is never an
+    A ``group`` key (the attribute :class:`~hf_sms.evaluation.SubgroupRecall` reads) is left out: it is never an
     input of the model.
     """
     return {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0] if k != "group"}
@@ -258,7 +258,7 @@ def stack_collate(items: list[dict]) -> dict:
 
 class ArrayImages(torch.utils.data.Dataset):
     """Items ``{"x": transform(PIL image), "labels": int}`` of uint8 ``(N, H, W, 3)`` images and their labels
-    (numpy arrays or memory maps, e.g. the corrupted test sets of :mod:`hf_sms.corruptions`)."""
+    (numpy arrays or memory maps, e.g. the corrupted test sets of :mod:`hf_sms.evaluation.corruptions`)."""
 
     def __init__(self, images, labels, transform: Callable):
         if len(images) != len(labels):

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
 from .checkpoint.constants import MASKS_NAME
+from .checkpoint.masks import load_pruning_step, save_masks
 from .config import SparseSoupConfig
-from .masking import MaskEnforcer
-from .prunable import Masks
-from .pruning import PruningStep, apply_masks, prune
+from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
+from .pruning.masks import PruningStep, apply_masks, prune
+from .pruning.prunable import Masks
 from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler
 from .seeding import EpochShuffleSampler
 
@@ -34,50 +31,25 @@ def cross_entropy_loss(outputs, labels, num_items_in_batch=None):
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
 
 
-def save_masks(masks: Masks, directory: str, step: PruningStep | None = None) -> None:
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, MASKS_NAME + ".tmp")
-    metadata = {"format": "pt"}
-    if step is not None:  # ALLR's start rate depends on them, so a resumed run needs them back
-        metadata.update(norm_fraction=repr(step.norm_fraction), phase_fraction=repr(step.phase_fraction))
-    save_file({n: m.detach().cpu().contiguous() for n, m in masks.items()}, tmp, metadata=metadata)
-    os.replace(tmp, os.path.join(directory, MASKS_NAME))
-
-
-def load_masks(directory: str) -> Masks | None:
-    path = os.path.join(directory, MASKS_NAME)
-    return load_file(path) if os.path.isfile(path) else None
-
-
-def load_pruning_step(directory: str, fallback: PruningStep) -> PruningStep | None:
-    """The masks saved in ``directory`` with the step's ``d`` and ``q`` (``fallback``'s where not recorded)."""
-    masks = load_masks(directory)
-    if masks is None:
-        return None
-    with safe_open(os.path.join(directory, MASKS_NAME), "pt") as f:
-        meta = f.metadata() or {}
-    if "norm_fraction" not in meta:
-        return PruningStep(masks, fallback.norm_fraction, fallback.phase_fraction)
-    return PruningStep(masks, float(meta["norm_fraction"]), float(meta["phase_fraction"]))
-
-
 class _HubMixinConfig(dict):
     """smp's config is a plain dict; Trainer sets ``config.use_cache`` on it. As an attribute of this
     subclass the flag stays out of the dict, so smp's saved config.json is unchanged."""
 
 
 class _MaskCallback(TrainerCallback):
+    """Hands the Trainer's events to the masking policy."""
+
     def __init__(self, trainer: SparseSoupTrainer):
         self.trainer = trainer
 
-    # In feedback mode (DPF) the weights stay dense between steps: nothing is masked here.
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        if not self.trainer.feedback:
-            self.trainer.enforcer.after_step(optimizer)  # also cleans optimizer state restored on resume
+        self.trainer.masking.start(optimizer)  # also cleans optimizer state restored on resume
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        if not self.trainer.feedback:
-            self.trainer.enforcer.after_step(optimizer)
+        self.trainer.masking.after_step(optimizer)
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        self.trainer.masking.end(optimizer)
 
 
 def _shifted(lr_lambda, offset: int, step: int) -> float:
@@ -95,15 +67,18 @@ class SparseSoupTrainer(Trainer):
             (which also carries ALLR's norm drop). If ``None``, the model is magnitude-pruned to
             ``args.target_sparsity`` with ``args.allocation`` in one shot.
         process_group: train data-parallel over this ``torch.distributed`` group only (one replica's group
-            of processes in a replica-parallel SMS run; see :mod:`hf_sms.distributed`). ``None``: the
+            of processes in a replica-parallel SMS run; see :mod:`hf_sms.loop.distributed`). ``None``: the
             usual accelerate behaviour.
         lr_schedule: ``"retrain"``: the retraining schedule ``args.retrain_schedule`` (docs/method.md §3);
             ``"original"``: transformers' own ``args.lr_scheduler_type`` schedule, for pruning during
             training (GMP, DPF; docs/method.md §7). ``None``: ``args.lr_schedule`` if set, else ``"retrain"``.
+        masking: the :class:`~hf_sms.pruning.enforcement.MaskingPolicy` that keeps the masks (default
+            :class:`~hf_sms.pruning.enforcement.ExactMasking`; DPF hands its
+            :class:`~hf_sms.methods.dpf.FeedbackMasking`).
         step_offset, total_steps: this trainer runs global iterations ``step_offset + 1`` to
             ``step_offset + max_steps`` of a run of ``total_steps`` (default ``step_offset + max_steps``),
             e.g. one phase of GMP+SMS. The ``"original"`` schedule and the callbacks of
-            :mod:`hf_sms.during_training` use these global iteration numbers.
+            :mod:`hf_sms.methods.gmp` use these global iteration numbers.
         **kwargs: passed to ``Trainer``.
 
     ``masks={}`` starts dense (nothing is masked until a callback calls :meth:`set_masks`).
@@ -116,6 +91,7 @@ class SparseSoupTrainer(Trainer):
         masks: Masks | PruningStep | None = None,
         process_group=None,
         lr_schedule: str | None = None,
+        masking: MaskingPolicy | None = None,
         step_offset: int = 0,
         total_steps: int | None = None,
         **kwargs,
@@ -145,11 +121,12 @@ class SparseSoupTrainer(Trainer):
         if step_offset < 0 or (total_steps is not None and total_steps <= step_offset):
             raise ValueError(f"need 0 <= step_offset < total_steps, got {step_offset} and {total_steps}")
         self.step_offset, self.total_steps = step_offset, total_steps
-        self.feedback = False  # DPF mode, switched on by hf_sms.during_training.DynamicPruning
         self.pruning_step = step
         self.process_group = process_group
         apply_masks(self.model, step.masks)
+        self.masking = masking if masking is not None else ExactMasking()
         self.enforcer = MaskEnforcer(self.model, step.masks)
+        self.masking.bind(self.enforcer)
         self.add_callback(_MaskCallback(self))
 
     @property
@@ -157,33 +134,30 @@ class SparseSoupTrainer(Trainer):
         return self.enforcer.masks
 
     def set_masks(self, masks: Masks, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Train under ``masks`` from now on (pruning during training, :mod:`hf_sms.during_training`).
-
-        Outside feedback mode the pruned weights and their optimizer state (momentum, Adam's moments) are
-        zeroed now, so a newly pruned weight carries no momentum into the next step (Zhu & Gupta 2017).
-        """
+        """Train under ``masks`` from now on (pruning during training, :mod:`hf_sms.methods`); the masking policy
+        decides what that does to the weights and optimizer state now (``new_masks``)."""
         self.pruning_step = PruningStep.measure(self.model, masks)
         self.enforcer = MaskEnforcer(self.model, masks)
-        if not self.feedback:
-            self.enforcer.after_step(optimizer)
+        self.masking.bind(self.enforcer)
+        self.masking.new_masks(optimizer)
 
-    def _feedback_context(self):
-        # DPF (Lin et al. 2020): forward and backward see the masked weights, the optimizer the dense ones.
-        return self.enforcer.masked_weights() if self.feedback else contextlib.nullcontext()
+    def set_masking(self, masking: MaskingPolicy) -> None:
+        """Use another masking policy from now on (e.g. DPF's, installed by its callback)."""
+        self.masking = masking
+        masking.bind(self.enforcer)
 
-    # -- the two hooks that keep masks exact -------------------------------------------------------
+    # -- the hooks that keep masks exact --------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        with self._feedback_context():
+        with self.masking.forward_context():
             loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients:  # last micro-batch: mask before clipping and the step
             if self.process_group is not None:
                 self._average_gradients_in_group()
-            if not self.feedback:  # DPF's error feedback needs the gradient of pruned entries too
-                self.enforcer.mask_gradients()
+            self.masking.before_step()
         return loss
 
     def evaluate(self, *args, **kwargs):
-        with self._feedback_context():  # DPF is judged by the sparse model it returns
+        with self.masking.forward_context():  # DPF is judged by the sparse model it returns
             return super().evaluate(*args, **kwargs)
 
     @torch.no_grad()
@@ -252,12 +226,7 @@ class SparseSoupTrainer(Trainer):
 
     # -- logging, saving, resuming -----------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        with torch.no_grad():
-            if self.feedback:  # DPF's weights are dense: the sparsity that counts is the mask's
-                zeros = sum(int((~m).sum()) for m in self.masks.values())
-            else:
-                zeros = sum(int((p == 0).sum()) for p in self.enforcer.params)
-            logs["sparsity"] = round(zeros / max(sum(p.numel() for p in self.enforcer.params), 1), 6)
+        logs["sparsity"] = round(self.masking.sparsity(), 6)
         super().log(logs, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -278,6 +247,7 @@ class SparseSoupTrainer(Trainer):
                 )
             self.pruning_step = saved
             self.enforcer = MaskEnforcer(self.model, saved.masks)
+            self.masking.bind(self.enforcer)
         for callback in self.callback_handler.callbacks:  # e.g. GradualPruning: it prunes through this trainer
             if hasattr(callback, "bind_trainer"):
                 callback.bind_trainer(self)

@@ -38,7 +38,7 @@ from hf_sms.scripts import (
     stack_collate,
 )
 from hf_sms.smoke import smoke_classification
-from hf_sms.subgroups import binary_attribute
+from hf_sms.evaluation.subgroups import binary_attribute
 
 DATA_DEFAULTS = dict(dataset_name="uoft-cs/cifar10", test_split="test")
 

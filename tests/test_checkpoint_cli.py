@@ -13,7 +13,7 @@ from conftest import make_resnet, make_t5
 from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
 from hf_sms.checkpoint import merge_checkpoints
 from hf_sms.cli import main
-from hf_sms.merge import uniform_soup
+from hf_sms.soup.soup import uniform_soup
 
 
 def _replicas(make, m=3, sparsity=0.8, seed=0):
@@ -127,8 +127,8 @@ def test_merge_output_rules(tmp_path, capsys):
     assert not (out / "old.txt").exists() and (out / "sparsity.json").exists()
     with pytest.raises(ValueError, match="greedy_soup"):
         merge_checkpoints(dirs, str(tmp_path / "g"), method="greedy")
-    with pytest.raises(SystemExit):
-        main(["merge", *dirs, "--output", str(tmp_path / "g"), "--method", "greedy"])
+    assert main(["merge", *dirs, "--output", str(tmp_path / "g"), "--method", "greedy"]) == 2  # explained
+    assert "greedy_soup" in capsys.readouterr().err and not (tmp_path / "g").exists()
     assert main(["merge", dirs[0], str(tmp_path / "nothing"), "--output", str(tmp_path / "x")]) == 2
 
 

@@ -83,7 +83,7 @@ def test_families_detect_models_and_their_folders(tmp_path, make, library):
 
 def test_a_new_family_is_one_registered_entry(tmp_path):
     class TinyCNNFamily(Family):
-        library = "tiny-cnn"
+        library = "tiny_cnn"
 
         def detects(self, model):
             return isinstance(model, TinyCNN)
@@ -100,9 +100,9 @@ def test_a_new_family_is_one_registered_entry(tmp_path):
             register_family(TinyCNNFamily())
         model = make_cnn()
         save_sparse(model, str(tmp_path))
-        assert json.loads((tmp_path / "sparsity.json").read_text())["library"] == "tiny-cnn"
+        assert json.loads((tmp_path / "sparsity.json").read_text())["library"] == "tiny_cnn"
         loaded = load_sparse(str(tmp_path))  # built by the family: no template needed
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
         assert "hf_sms.load_sparse" in family.load_snippet("TinyCNN", "bitmask", "me/tiny")
     finally:
-        del FAMILIES["tiny-cnn"]
+        FAMILIES.remove("tiny_cnn")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from hf_sms import apply_masks, compute_masks, load_sparse, prunable_tensors, save_sparse, sparsity_report
 from hf_sms.checkpoint import INDEX_SUFFIX, SparseCheckpoint, inspect_checkpoint, transformers_integration
 from hf_sms.checkpoint.masks import MaskStats
-from hf_sms.pruning import masks_from_model
+from hf_sms.pruning.masks import masks_from_model
 
 
 def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module, strip: str = "") -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_sms import corruptions as C
+from hf_sms.evaluation import corruptions as C
 from hf_sms.seeding import derive_seed
 
 OWN = ("glass_blur", "fog", "gaussian_blur")

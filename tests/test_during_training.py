@@ -8,8 +8,9 @@ from conftest import make_cnn
 from transformers import TrainerCallback
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, prunable_tensors
-from hf_sms.during_training import (
+from hf_sms.methods import (
     DynamicPruning,
+    FeedbackMasking,
     GradualPruning,
     gmp_phases,
     gmp_sparsity,
@@ -17,7 +18,7 @@ from hf_sms.during_training import (
     pruning_targets,
     sparsity_at,
 )
-from hf_sms.pruning import apply_masks
+from hf_sms.pruning.masks import apply_masks
 
 N_CNN = 216 + 576 + 128 + 64  # prunable weights of TinyCNN: conv1, conv2, fc1, fc2
 
@@ -268,7 +269,7 @@ def test_dpf_trains_dense_weights_through_the_masked_model(accum, make_args, ima
     assert probe.revived_kept == [False] * 3 + [True] * (total - 15), probe.revived_kept
 
     # The returned model is the masked one, at the target, with no optimizer state on pruned entries.
-    assert not trainer.feedback
+    assert isinstance(trainer.masking, FeedbackMasking)  # DPF trained under its masking policy
     assert pruned(trainer.masks) == round(target * N_CNN)
     opt = inner(trainer.optimizer)
     for t in prunable_tensors(trainer.model):

@@ -50,3 +50,38 @@ def test_theoretical_speedup_counts_only_live_weights():
     with torch.no_grad():
         conv.weight[:2] = 0  # half the filters
     assert theoretical_speedup(conv, torch.randn(1, 2, 5, 5)) == pytest.approx(2.0)
+
+
+_METRIC_SCRIPT = """
+import datasets
+import evaluate
+
+
+class Top1(evaluate.Metric):
+    def _info(self):
+        features = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
+        return evaluate.MetricInfo(description="top-1", citation="", inputs_description="", features=features)
+
+    def _compute(self, predictions, references):
+        return {"accuracy": sum(int(p == r) for p, r in zip(predictions, references)) / len(references)}
+"""
+
+
+def test_an_evaluate_module_is_a_metric_and_metrics_read_with_the_runs_loader_settings(tmp_path):
+    import evaluate
+    from conftest import sms_config
+
+    from hf_sms import run_sms
+    from hf_sms.data import load_digits_splits
+    from hf_sms.demo import DigitsResNet
+
+    (tmp_path / "top1.py").write_text(_METRIC_SCRIPT)
+    module = evaluate.load(str(tmp_path / "top1.py"))  # a local script: no download
+    train, val, test = load_digits_splits(seed=0)
+    accuracy = ClassificationAccuracy()
+    args = sms_config(tmp_path, n_phases=1, max_steps=2, dataloader_num_workers=1, measure_speedup=False)
+    tests = {"test": test, "top1": (test, module)}
+    _, results = run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val, test_dataset=tests)
+    row = results["rows"]["sms_uniform"][-1]
+    assert row["tests"]["top1"] == pytest.approx(row["tests"]["test"] / 100)  # the same accuracy, as a fraction
+    assert accuracy.loader_kwargs == {"num_workers": 1, "pin_memory": False}  # the run's settings

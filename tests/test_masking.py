@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers.optimization import Adafactor
 
-from hf_sms.masking import MaskEnforcer
-from hf_sms.prunable import prunable_tensors
-from hf_sms.pruning import apply_masks, compute_masks
+from hf_sms.pruning.enforcement import MaskEnforcer
+from hf_sms.pruning.prunable import prunable_tensors
+from hf_sms.pruning.masks import apply_masks, compute_masks
 
 
 class TiedLM(nn.Module):

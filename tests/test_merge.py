@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_sms import apply_masks, compute_masks, greedy_soup, uniform_soup
-from hf_sms.merge import average_state_dicts, merge
-from hf_sms.pruning import masks_from_model
+from hf_sms.soup import average_state_dicts, soup
+from hf_sms.pruning.masks import masks_from_model
 
 
 def _net(seed: int) -> nn.Module:
@@ -57,7 +57,7 @@ def test_differing_masks_raise_unless_repruning():
     a, b = _replicas(2, 0.5)
     with torch.no_grad():
         b[3].weight.copy_(torch.randn_like(b[3].weight))  # b's linear layer is dense again
-    with pytest.raises(ValueError, match="different masks.*reprune_sparsity"):
+    with pytest.raises(ValueError, match="different masks.*reprune"):
         uniform_soup([a, b])
     with pytest.raises(ValueError, match="different masks"):
         greedy_soup([a, b], evaluate=lambda m: 0.0)
@@ -127,6 +127,6 @@ def test_greedy_soup_is_never_worse_than_the_best_candidate(m, seed):
     assert masks_from_model(soup).keys() == masks_from_model(models[0]).keys()
 
 
-def test_merge_registry_rejects_unknown_methods():
-    with pytest.raises(ValueError, match="unknown merge method 'ties'.*greedy.*uniform"):
-        merge(_replicas(2, 0.5), "ties")
+def test_soup_registry_rejects_unknown_methods():
+    with pytest.raises(ValueError, match="unknown soup method 'ties'.*greedy.*uniform"):
+        soup(_replicas(2, 0.5), "ties")

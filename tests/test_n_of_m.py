@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_sms import SparseSoupConfig, apply_masks, compute_masks, load_sparse, save_sparse, uniform_soup
-from hf_sms.allocations import parse_n_of_m
+from hf_sms.pruning.allocations import parse_n_of_m
 
 
 def _groups(weight: torch.Tensor, m: int, transposed: bool = False) -> torch.Tensor:

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from hf_sms.allocations import ALLOCATIONS, erk_densities, lamp_scores, register_allocation
-from hf_sms.prunable import prunable_tensors
-from hf_sms.pruning import (
+from hf_sms.pruning.allocations import ALLOCATIONS, erk_densities, lamp_scores, register_allocation
+from hf_sms.pruning.prunable import prunable_tensors
+from hf_sms.pruning.masks import (
     PruningStep,
     apply_masks,
     compute_masks,

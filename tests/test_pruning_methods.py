@@ -9,9 +9,9 @@ from conftest import sms_config
 from hf_sms import SparseModelSoup, run_sms, sparsity_report
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
-from hf_sms.during_training import gmp_phases, gmp_sparsity
+from hf_sms.methods.gmp import gmp_phases, gmp_sparsity
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.pruning import masks_from_model
+from hf_sms.pruning.masks import masks_from_model
 
 
 def _args(tmp_path, **kw):
@@ -45,18 +45,18 @@ def test_sms_variant_merges_exactly_at_the_pruning_steps(tmp_path, digits, metho
     args = _args(tmp_path, pruning_method=method, num_replicas=2)
     runner = SparseModelSoup(_net(), args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
     trained, merged = [], []
-    train_replica, merge = runner.train_replica, runner.merge
+    train_replica, run_phase = runner.train_replica, runner.run_phase
 
     def spy_train(start, step, hparams, name, callbacks=(), **kw):
         trained.append((name, hparams.max_steps, kw.get("step_offset", 0)))
         return train_replica(start, step, hparams, name, callbacks, **kw)
 
-    def spy_merge(*a):
-        soup, kept = merge(*a)
-        merged.append(masks_from_model(soup))
-        return soup, kept
+    def spy_phase(spec):
+        result = run_phase(spec)
+        merged.append(masks_from_model(result.soup))
+        return result
 
-    runner.train_replica, runner.merge = spy_train, spy_merge
+    runner.train_replica, runner.run_phase = spy_train, spy_phase
     soup = runner.run()
     phases = gmp_phases(16, 3, 0.8)  # [(0, 4, 0), (4, 8, s1), (8, 12, s2), (12, 16, 0.8)]
     assert trained[0] == (f"{method}/plain", 4, 0)  # dense until the first pruning step
@@ -138,7 +138,7 @@ def test_bimp_splits_its_budget_into_pretraining_and_cycles(tmp_path, digits):
         ({"pruning_method": "gmp", "max_steps": -1, "num_train_epochs": 4, "sms_start_epoch": 4}, "sms_start_epoch"),
         ({"pruning_method": "bimp", "max_steps": -1, "num_train_epochs": 4}, "bimp needs 0 < bimp_pretrain_epochs"),
         ({"pruning_method": "gmp", "baselines": ["imp"]}, "baselines compare against IMP"),
-        ({"pruning_method": "lth"}, "pruning_method='lth' is unknown"),
+        ({"pruning_method": "lth"}, "pruning_method='lth': unknown pruning method 'lth'; choose one of .* or 'imp'"),
     ],
 )
 def test_bad_parameters_are_rejected_before_work(tmp_path, fields, message):

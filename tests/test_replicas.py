@@ -171,18 +171,18 @@ def test_greedy_trajectory_continues_from_the_greedy_soup(tmp_path):
     )
     runner = SparseModelSoup(DigitsResNet(width=4), args, train, ClassificationAccuracy(), val, test)
     merged, starts = [], {}
-    merge, train_replica = runner.merge, runner.train_replica
+    run_phase, train_replica = runner.run_phase, runner.train_replica
 
-    def spy_merge(method, template, candidates, scores):
-        soup, kept = merge(method, template, candidates, scores)
-        merged.append((method, {k: v.clone() for k, v in soup.state_dict().items()}, kept))
-        return soup, kept
+    def spy_phase(spec):
+        result = run_phase(spec)
+        merged.append((spec.soup, {k: v.clone() for k, v in result.soup.state_dict().items()}, result.kept))
+        return result
 
     def spy_train(start, step, hparams, name):
         starts[name] = {k: v.clone() for k, v in start.state_dict().items()}
         return train_replica(start, step, hparams, name)
 
-    runner.merge, runner.train_replica = spy_merge, spy_train
+    runner.run_phase, runner.train_replica = spy_phase, spy_train
     runner.run()
     assert [m for m, _, _ in merged] == ["uniform", "uniform", "greedy", "greedy"]
     assert "sms-greedy/phase2/replica0" in starts and "sms/phase2/replica0" in starts

@@ -11,7 +11,8 @@ from hf_sms import SparseModelSoup, SparseSoupConfig, SparseSoupTrainer, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.merge import MERGE_METHODS, indicator_weights, register_merge
+from hf_sms.registry import SOUPS
+from hf_sms.soup import SoupMethod, indicator_weights
 
 
 def _args(tmp_path, **kw):
@@ -149,10 +150,10 @@ def test_push_to_hub_is_checked_before_training_and_then_really_pushes(tmp_path,
 def test_a_registered_merge_method_runs_end_to_end(tmp_path, digits):
     train, val, test = digits
 
-    @register_merge("best_only")
     def best_only(scores, trial, config):
         return indicator_weights([max(range(len(scores)), key=scores.__getitem__)], len(scores))
 
+    SOUPS.add("best_only", SoupMethod(best_only, needs_validation=True))
     try:
         args = _args(tmp_path, merge_methods=["best_only"], num_replicas=3)
         soup, results = run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
@@ -160,7 +161,7 @@ def test_a_registered_merge_method_runs_end_to_end(tmp_path, digits):
         assert len(row["kept"]) == 1
         assert row["val"] == pytest.approx(max(diag["candidates_val"]))
     finally:
-        del MERGE_METHODS["best_only"]
+        SOUPS.remove("best_only")
 
 
 # -- replicas are real checkpoints ------------------------------------------------------------------------
@@ -169,7 +170,7 @@ def test_the_readme_merge_command_works_on_the_folders_a_run_writes(tmp_path, di
 
     from hf_sms import load_sparse
     from hf_sms.cli import main
-    from hf_sms.merge import average_state_dicts
+    from hf_sms.soup import average_state_dicts
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     command = "hf-sms merge run/sms/phase3/replica0 run/sms/phase3/replica1 --method uniform --output soup"

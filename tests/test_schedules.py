@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import TrainerCallback
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer
-from hf_sms.pruning import prune
+from hf_sms.pruning.masks import prune
 from hf_sms.schedules import RETRAIN_SCHEDULES, ScheduleContext, allr_start_lr, make_lr_scheduler
 
 FAST = settings(max_examples=25, deadline=None)
@@ -177,9 +177,13 @@ def test_schedules_that_need_the_original_length_say_so(schedule, out_dir):
 
 
 def test_unknown_schedules_and_ft_without_eta_min_are_explained(out_dir):
-    with pytest.raises(ValueError, match=r"retrain_schedule='onecycle' is unknown; choose one of \['allr'"):
+    with pytest.raises(
+        ValueError, match=r"retrain_schedule='onecycle': unknown retraining schedule 'onecycle'; choose one of \['allr'"
+    ):
         SparseSoupConfig(output_dir=out_dir, retrain_schedule="onecycle")
-    with pytest.raises(ValueError, match=r"pretrain_schedule='poly' is unknown; choose one of"):
+    with pytest.raises(
+        ValueError, match=r"pretrain_schedule='poly': unknown original LR schedule shape 'poly'; choose one of"
+    ):
         SparseSoupConfig(output_dir=out_dir, pretrain_schedule="poly")
     with pytest.raises(ValueError, match="set pretrain_min_learning_rate"):
         SparseSoupConfig(output_dir=out_dir, retrain_schedule="ft")

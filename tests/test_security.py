@@ -23,7 +23,7 @@ from hf_sms.data import load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.hub import push_to_hub
-from hf_sms.registry import registrar
+from hf_sms.registry import Registry
 
 TOKEN = "hf_SECRETsecretSECRET0123456789"
 
@@ -184,7 +184,7 @@ def test_load_sparse_never_asks_about_remote_code(tmp_path):
 # -- 4. registered names become folder names ---------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["../x", "a/b", "", "x y", "1st", ".hidden"])
 def test_registered_names_must_be_plain_identifiers(name):
-    register = registrar({}, "baseline")
+    registry = Registry("baseline")
     with pytest.raises(ValueError, match="plain identifier"):
-        register(name)(lambda runner: None)
-    register("imp_2")(lambda runner: None)  # a plain one is fine
+        registry.register(name)(lambda runner: None)
+    registry.register("imp_2")(lambda runner: None)  # a plain one is fine

@@ -12,7 +12,7 @@ from hf_sms import SparseModelSoup, phase_sparsities, run_sms, sparsity_report
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.pruning import masks_from_model
+from hf_sms.pruning.masks import masks_from_model
 
 
 def _args(tmp_path, **kw):
@@ -67,15 +67,17 @@ def test_masks_only_grow_across_phases(tmp_path, digits):
     accuracy = ClassificationAccuracy()
     runner = SparseModelSoup(DigitsResNet(width=4), _args(tmp_path, n_phases=2), train, accuracy, eval_dataset=val)
     seen = []
-    original = runner.merge
+    original = runner.run_phase
 
-    def spy(method, template, candidates, val_scores):
+    def spy(spec):
+        result = original(spec)
+        candidates = result.candidates
         seen.append(masks_from_model(candidates[0]))
         for c in candidates.values():  # every replica of a phase shares the mask exactly
             assert all(torch.equal(seen[-1][n], m) for n, m in masks_from_model(c).items())
-        return original(method, template, candidates, val_scores)
+        return result
 
-    runner.merge = spy
+    runner.run_phase = spy
     runner.run()
     assert all(bool((~seen[0][n] & seen[1][n]).sum() == 0) for n in seen[0])  # pruned in 1 stays pruned in 2
 
@@ -85,7 +87,9 @@ def test_resume_does_not_retrain_finished_replicas(tmp_path, digits):
     accuracy = ClassificationAccuracy()
     args = _args(tmp_path, baselines=["imp"])
     soup, results = run_sms(_net(), args, train, accuracy, eval_dataset=val, test_dataset=test)
-    with mock.patch("hf_sms.sms.SparseSoupTrainer.train", side_effect=AssertionError("retrained a finished replica")):
+    with mock.patch(
+        "hf_sms.loop.sms.SparseSoupTrainer.train", side_effect=AssertionError("retrained a finished replica")
+    ):
         soup2, results2 = run_sms(_net(), args, train, accuracy, eval_dataset=val, test_dataset=test)
     assert results2["rows"] == results["rows"]
     assert all(torch.equal(a, b) for a, b in zip(soup.state_dict().values(), soup2.state_dict().values()))

@@ -13,11 +13,11 @@ from torch import nn
 from hf_sms import apply_masks, compute_masks, load_sparse, phase_sparsities, save_sparse, sparsity_report
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import theoretical_speedup
-from hf_sms.masking import MaskEnforcer
-from hf_sms.merge import uniform_soup
-from hf_sms.prunable import prunable_tensors
-from hf_sms.pruning import masks_from_model
-from hf_sms.structured import filter_sparsity, module_zero_filters, shrink_filters, zero_filters
+from hf_sms.pruning.enforcement import MaskEnforcer
+from hf_sms.soup.soup import uniform_soup
+from hf_sms.pruning.prunable import prunable_tensors
+from hf_sms.pruning.masks import masks_from_model
+from hf_sms.pruning.structured import filter_sparsity, module_zero_filters, shrink_filters, zero_filters
 
 
 def plain_net(conv_bias: bool = False, seed: int = 0) -> nn.Sequential:

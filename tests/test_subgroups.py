@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_sms.subgroups import (
+from hf_sms.evaluation.subgroups import (
     CELEBA_NAMES,
     SubgroupRecall,
     binary_attribute,

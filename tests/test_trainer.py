@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from transformers import TrainerCallback, TrainingArguments
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, compute_masks, prunable_tensors
-from hf_sms.pruning import PruningStep, prune
+from hf_sms.pruning.masks import PruningStep, prune
 from hf_sms.seeding import derive_seed
-from hf_sms.trainer import MASKS_NAME, load_masks, save_masks
+from hf_sms.checkpoint.constants import MASKS_NAME
+from hf_sms.checkpoint.masks import load_masks, save_masks
 
 MODELS = {"t5": make_t5, "resnet": make_resnet, "cnn": make_cnn}
 
@@ -246,16 +247,19 @@ def test_masks_for_another_model_are_explained(make_args, image_dataset):
         (dict(n_phases=0), "n_phases must be a positive integer"),
         (
             dict(allocation="random"),
-            r"allocation='random' is unknown; choose one of \['erk', 'filter_l1', 'filter_l2', 'global'",
+            r"allocation='random': unknown allocation 'random'; choose one of \['erk', 'filter_l1', 'filter_l2', 'global'",
         ),
-        (dict(retrain_schedule="cosine"), r"retrain_schedule='cosine' is unknown; choose one of"),
-        (dict(merge_methods=["ties"]), r"merge_methods \['ties'\] are unknown; choose from"),
+        (
+            dict(retrain_schedule="cosine"),
+            r"retrain_schedule='cosine': unknown retraining schedule 'cosine'; choose one of",
+        ),
+        (dict(merge_methods=["ties"]), r"merge_methods='ties': unknown soup method 'ties'; choose one of"),
         (dict(num_replicas=0), "num_replicas must be an integer >= 1"),
         (dict(replica_seeds=[1, 2]), "replica_seeds has 2 entries but num_replicas=3; give one per replica"),
         (dict(replica_weight_decays=[0.1]), "replica_weight_decays has 1 entries.*give one per replica"),
         (dict(replica_learning_rates=[0.1] * 4), "replica_learning_rates has 4 entries.*give one per replica"),
         (dict(replica_epochs=[1.0, 2.0]), "replica_epochs has 2 entries.*give one per replica"),
-        (dict(baselines=["imp", "lth"]), r"baselines \['lth'\] are unknown; choose from"),
+        (dict(baselines=["imp", "lth"]), r"baselines='lth': unknown baseline 'lth'; choose one of"),
         (dict(validation_fraction=1.0), r"validation_fraction must be in \(0, 1\)"),
         (dict(retrain_schedule="allr"), "set pretrain_epochs"),
     ],

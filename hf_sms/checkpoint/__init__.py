@@ -24,7 +24,7 @@ from .constants import FORMAT_VERSION, FORMATS, INDEX_SUFFIX, SPARSITY_NAME, WEI
 from .families import FAMILIES, Family, family_of_model, register_family
 from .inspect import inspect_checkpoint
 from .masks import eligible
-from .merge import STREAMING_METHODS, merge_checkpoints
+from .merge import merge_checkpoints, streaming_methods
 from .reader import SparseCheckpoint
 from .sparse import load_sparse, save_sparse
 
@@ -34,7 +34,6 @@ __all__ = [
     "FORMAT_VERSION",
     "INDEX_SUFFIX",
     "SPARSITY_NAME",
-    "STREAMING_METHODS",
     "WEIGHTS_NAME",
     "Family",
     "SparseCheckpoint",
@@ -44,5 +43,6 @@ __all__ = [
     "load_sparse",
     "merge_checkpoints",
     "register_family",
+    "streaming_methods",
     "save_sparse",
 ]

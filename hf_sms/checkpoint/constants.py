@@ -37,6 +37,6 @@ _PUBLISHED = (
 )
 PUBLISHED_FILES = re.compile(r"^(" + "|".join(_PUBLISHED) + r")$")
 
-# A run folder (hf_sms.run_directory) and a SparseSoupTrainer checkpoint.
+# A run folder (hf_sms.loop.run_directory) and a SparseSoupTrainer checkpoint.
 RUN_FILE, LOCK_FILE, RESULTS_FILE, FINAL_SOUP = "run.json", ".hf-sms.lock", "results.json", "final_soup"
 MASKS_NAME = "sparse_masks.safetensors"

@@ -10,17 +10,24 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from safetensors.torch import save_file
 from torch import nn
 
+from ..registry import Registry
 from .constants import CONFIG_NAME, FORMAT_VERSION, QUANT_METHOD, WEIGHTS_NAME
 from .folder import read_json, write_json
 from .state import load_into, unique_tensors
 
-if TYPE_CHECKING:
-    from .reader import SparseCheckpoint  # reader imports this module
+
+class CheckpointInfo(Protocol):
+    """What a family reads of a checkpoint folder (:class:`hf_sms.checkpoint.reader.SparseCheckpoint` has it)."""
+
+    directory: str
+    config: dict | None
+    architecture: str
+    aliases: dict[str, str] | None
 
 
 def _literal(text: str) -> str:
@@ -55,14 +62,14 @@ class Family:
         """
         raise NotImplementedError
 
-    def instantiate(self, ckpt: SparseCheckpoint, **kwargs) -> nn.Module:
+    def instantiate(self, ckpt: CheckpointInfo, **kwargs) -> nn.Module:
         """A model of the checkpoint's architecture, with initial weights."""
         raise NotImplementedError
 
     def tie_weights(self, model: nn.Module) -> None:
         """Share the tensors the model ties (after it was built on the meta device, where ties are lost)."""
 
-    def build(self, ckpt: SparseCheckpoint, state_dict: dict, **kwargs) -> nn.Module:
+    def build(self, ckpt: CheckpointInfo, state_dict: dict, **kwargs) -> nn.Module:
         """The model of a checkpoint with ``state_dict`` (its decoded tensors) loaded strictly."""
         return load_into(self.instantiate(ckpt, **kwargs), state_dict, ckpt.aliases)
 
@@ -257,15 +264,13 @@ class TorchFamily(Family):
         )
 
 
-FAMILIES: dict[str, Family] = {}
+FAMILIES: Registry = Registry("model library", hint="(a newer hf-sms wrote it? upgrade hf-sms)")
 
 
 def register_family(family: Family) -> Family:
-    """Add a family to the registry (detection tries families in registration order, plain torch last)."""
-    if not family.library or family.library in FAMILIES:
-        raise ValueError(f"model family {family.library!r} is unnamed or already registered")
-    FAMILIES[family.library] = family
-    return family
+    """Add a family, under its ``library`` name (detection tries families in registration order; plain torch is
+    the fallback for anything no family claims)."""
+    return FAMILIES.add(family.library, family)
 
 
 for _family in (TimmFamily(), SmpFamily(), TransformersFamily(), TorchFamily()):
@@ -274,9 +279,7 @@ for _family in (TimmFamily(), SmpFamily(), TransformersFamily(), TorchFamily()):
 
 def get_family(library: str) -> Family:
     """The family named ``library`` (as written to ``sparsity.json``)."""
-    if library not in FAMILIES:
-        raise ValueError(f"unknown model library {library!r} (known: {sorted(FAMILIES)}); upgrade hf-sms")
-    return FAMILIES[library]
+    return FAMILIES.get(library)
 
 
 def family_of_model(model: nn.Module) -> Family:

@@ -79,7 +79,7 @@ def inspect_checkpoint(directory: str) -> dict:
     measured = stats.summary(names)
     mismatches = disagreements(info, stats) if info is not None else []
     dense_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
-    family = FAMILIES.get(ckpt.library)  # a hand-edited library name still gets a report
+    family = FAMILIES.get(ckpt.library) if ckpt.library in FAMILIES else None  # a hand-edited name gets a report
     location = os.path.abspath(directory)
     size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     return {

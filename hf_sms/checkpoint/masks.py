@@ -1,18 +1,21 @@
-"""Which tensors are stored sparse, and the mask statistics recorded in ``sparsity.json``."""
+"""Which tensors are stored sparse, the mask statistics recorded in ``sparsity.json``, and the mask file of a
+trainer checkpoint."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from .constants import SPARSITY_NAME
-
-if TYPE_CHECKING:
-    from .reader import SparseCheckpoint  # reader imports this module
+from ..pruning.masks import PruningStep
+from ..pruning.prunable import Masks
+from .constants import MASKS_NAME
+from .folder import checkpoint_file
 
 
 def eligible(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> bool:
@@ -92,38 +95,37 @@ class MaskStats:
         }
 
 
-def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | None, stats: MaskStats | None = None):
-    """Raise if the loaded weights do not have the mask hash recorded in ``sparsity.json``.
-
-    The masks come from ``state_dict`` (dense tensors), else from ``stats`` (digests a loader recorded while
-    reading, e.g. from stored positions), else from the stored indices.
-    """
-    expected = (ckpt.info or {}).get("mask_hash")
-    if not expected:
-        return
-    # The hash covers the tensors the saver counted; recomputing over the same names keeps checkpoints
-    # valid when the eligibility rule grows (e.g. MultiheadAttention's in_proj_weight).
-    recorded = (ckpt.info or {}).get("per_tensor")
-    names = (
-        list(recorded) if recorded is not None else [n for n, t in state_dict.items() if eligible(n, t.shape, t.dtype)]
-    )
-    if stats is None:
-        stats = MaskStats()
-        stored = set(ckpt.names())
-        for name in names:
-            if state_dict is None and name in stored:
-                stats.add(name, ckpt.mask(name), "")
-            elif state_dict is not None and name in state_dict:
-                stats.add(name, state_dict[name] != 0, "")
-    if any(n not in stats.per_tensor for n in names) or stats.summary(names)["mask_hash"] != expected:
-        raise ValueError(
-            f"the weights of {ckpt.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
-            "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
-        )
-
-
 def positions_mask(positions: torch.Tensor, numel: int) -> np.ndarray:
     """The flat bool mask of the given nonzero positions."""
     mask = np.zeros(numel, dtype=bool)
     mask[positions.numpy()] = True
     return mask
+
+
+# -- the masks of a SparseSoupTrainer checkpoint ---------------------------------------------------------------
+def save_masks(masks: Masks, directory: str, step: PruningStep | None = None) -> None:
+    """Write a trainer checkpoint's masks (``sparse_masks.safetensors``), with ALLR's d and q of ``step``."""
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, MASKS_NAME + ".tmp")
+    metadata = {"format": "pt"}
+    if step is not None:  # ALLR's start rate depends on them, so a resumed run needs them back
+        metadata.update(norm_fraction=repr(step.norm_fraction), phase_fraction=repr(step.phase_fraction))
+    save_file({n: m.detach().cpu().contiguous() for n, m in masks.items()}, tmp, metadata=metadata)
+    os.replace(tmp, os.path.join(directory, MASKS_NAME))
+
+
+def load_masks(directory: str) -> Masks | None:
+    path = checkpoint_file(directory, MASKS_NAME)  # a regular file inside the folder, or None
+    return load_file(path) if path is not None else None
+
+
+def load_pruning_step(directory: str, fallback: PruningStep) -> PruningStep | None:
+    """The masks saved in ``directory`` with the step's ``d`` and ``q`` (``fallback``'s where not recorded)."""
+    masks = load_masks(directory)
+    if masks is None:
+        return None
+    with safe_open(os.path.join(directory, MASKS_NAME), "pt") as f:
+        meta = f.metadata() or {}
+    if "norm_fraction" not in meta:
+        return PruningStep(masks, fallback.norm_fraction, fallback.phase_fraction)
+    return PruningStep(masks, float(meta["norm_fraction"]), float(meta["phase_fraction"]))

@@ -1,9 +1,11 @@
-"""Streaming uniform soup of checkpoint folders (``hf-sms merge``), without building models.
+"""Streaming soups of checkpoint folders (``hf-sms merge``), without building models.
 
-Memory is the output plus about one tensor per input, not m models: inputs sharing an index average
-only their stored values, others are averaged in chunks of the flattened tensor. Every average goes
-through :mod:`hf_sms.averaging`, so the result equals :func:`hf_sms.uniform_soup` of the loaded models
-bit for bit. Inputs whose architecture or masks differ are refused before anything is written.
+Any registered soup method that needs no validation data and keeps one mask runs here (:data:`hf_sms.registry.SOUPS`:
+``uniform``, and any added one such as a TIES-style per-tensor function), with per-input weights. Memory is the
+output plus about one tensor per input, not m models: inputs sharing an index combine only their stored values,
+others are combined in chunks of the flattened tensor. The weighted mean goes through :mod:`hf_sms.soup.averaging`,
+so the uniform soup equals :func:`hf_sms.uniform_soup` of the loaded models bit for bit. Inputs whose
+architecture or masks differ are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..averaging import Accumulator
+from ..registry import SOUPS
+from ..soup.averaging import Accumulator
+from ..soup.method import SoupMethod
 from .codec import decode_tensor, index_info, mask_part, restamp_index
 from .constants import FORMATS, INDEX_SUFFIX, WEIGHTS_NAME
 from .folder import atomic_folder, check_target, copy_companion_files, write_sparsity
@@ -22,17 +26,25 @@ from .masks import eligible
 from .reader import SparseCheckpoint
 from .safetensors_io import WeightsWriter
 
-STREAMING_METHODS = ("uniform",)
 CHUNK = 1 << 22  # elements per step of the dense merge: memory is the output plus a few such chunks
 
 
-def _check_request(inputs: list[str], output: str, method: str, format: str, overwrite: bool) -> None:
-    """Refuse a merge that cannot be right, from its arguments and paths alone."""
-    if method not in STREAMING_METHODS:
-        hint = (
-            " GreedySoup needs an evaluation function: use hf_sms.greedy_soup in Python." if method == "greedy" else ""
+def streaming_methods() -> list[str]:
+    """The soup methods ``hf-sms merge`` runs: those that need no validation data and keep one mask."""
+    return [n for n, m in SOUPS.items() if not m.needs_validation and m.same_mask]
+
+
+def _check_request(inputs, output, method, format, overwrite, weights) -> SoupMethod:
+    """Refuse a merge that cannot be right, from its arguments and paths alone; returns the soup method."""
+    spec = SOUPS.get(method)
+    if spec.needs_validation or not spec.same_mask:
+        why = "evaluates trial soups on validation data" if spec.needs_validation else "re-prunes differing masks"
+        raise ValueError(
+            f"the {method!r} soup {why}: run it in Python (hf_sms.greedy_soup, hf_sms.soup.soup); hf-sms merge runs "
+            f"{streaming_methods()}"
         )
-        raise ValueError(f"unknown streaming merge method {method!r}; choose one of {STREAMING_METHODS}.{hint}")
+    if weights is not None and (len(weights) != len(inputs) or any(not w > 0 for w in weights)):
+        raise ValueError(f"give one positive weight per input ({len(inputs)}), got {weights}")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if len(inputs) < 2:
@@ -61,6 +73,7 @@ def _check_request(inputs: list[str], output: str, method: str, format: str, ove
                 "choose an output folder outside the inputs"
             )
     check_target(output, "replace" if overwrite else "new", replace_hint="pass --overwrite to replace it")
+    return spec
 
 
 def _check_same_architecture(ckpts: list[SparseCheckpoint]) -> None:
@@ -115,17 +128,20 @@ def _same_zeros(tensors: Iterable[torch.Tensor], ckpts: list[SparseCheckpoint], 
         yield t
 
 
-def _average(tensors: Iterable[torch.Tensor], weight: float) -> torch.Tensor:
-    """Mean through the one averaging kernel, holding one input at a time (``tensors`` may be a generator)."""
+def _combine(tensors: Iterable[torch.Tensor], weights: list[float], spec: SoupMethod) -> torch.Tensor:
+    """The soup's tensor: the weighted mean through the one averaging kernel, holding one input at a time
+    (``tensors`` may be a generator), or the method's own per-tensor function."""
+    if spec.combine is not None:
+        return spec.combine(list(tensors), weights)
     acc = None
-    for t in tensors:
+    for t, w in zip(tensors, weights):
         acc = Accumulator(t) if acc is None else acc
-        acc.add(t, weight)
+        acc.add(t, w)
     return acc.result()
 
 
-def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: float):
-    """Inputs stored with the same index: average their stored values only; ``(values, index)`` or None."""
+def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: list[float], spec: SoupMethod):
+    """Inputs stored with the same index: combine their stored values only; ``(values, index)`` or None."""
     if not all(c.is_encoded(name) for c in ckpts):
         return None
     indexes = [c.read_raw(name + INDEX_SUFFIX) for c in ckpts]
@@ -134,12 +150,12 @@ def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: float):
     values = (c.read_raw(name) for c in ckpts)
     if index_info(indexes[0])["codec"] == "dense":  # zeros are among the values: compare them
         values = _same_zeros(values, ckpts, name)
-    values = _average(values, weight)
+    values = _combine(values, weight, spec)
     return values, restamp_index(indexes[0], values)
 
 
-def _merge_dense(ckpts: list[SparseCheckpoint], name: str, weight: float) -> torch.Tensor:
-    """Average in chunks of the flattened tensor, checking masks on the way (dense or mixed inputs)."""
+def _merge_dense(ckpts: list[SparseCheckpoint], name: str, weight: list[float], spec: SoupMethod) -> torch.Tensor:
+    """Combine in chunks of the flattened tensor, checking masks on the way (dense or mixed inputs)."""
     shape, dtype = ckpts[0].spec(name)
     readers = [c.chunk_reader(name) for c in ckpts]
     out = torch.empty(math.prod(shape), dtype=dtype)
@@ -148,49 +164,62 @@ def _merge_dense(ckpts: list[SparseCheckpoint], name: str, weight: float) -> tor
         chunks = (read(start, stop) for read in readers)
         if eligible(name, shape, dtype):
             chunks = _same_zeros(chunks, ckpts, name)
-        out[start:stop] = _average(chunks, weight)
+        out[start:stop] = _combine(chunks, weight, spec)
     return out.reshape(shape)
 
 
-def _merge_tensor(ckpts: list[SparseCheckpoint], name: str, weight: float, writer: WeightsWriter) -> None:
+def _merge_tensor(ckpts, name: str, weight: list[float], spec: SoupMethod, writer: WeightsWriter) -> None:
     if not ckpts[0].spec(name)[1].is_floating_point:
-        writer.add(name, _average((c.read(name) for c in ckpts), weight))  # integers: input 0's
+        writer.add(name, ckpts[0].read(name))  # integer buffers (num_batches_tracked): input 0's
         return
-    merged = _merge_encoded(ckpts, name, weight)
+    merged = _merge_encoded(ckpts, name, weight, spec)
     if merged is not None and 0 not in merged[0]:  # the usual case: the index is kept as it is
         writer.add_encoded(name, *merged)
         return
     # A kept weight that averaged to exactly zero drops out of the mask: re-encode the dense result.
-    writer.add(name, decode_tensor(*merged, name) if merged is not None else _merge_dense(ckpts, name, weight))
+    dense = decode_tensor(*merged, name) if merged is not None else _merge_dense(ckpts, name, weight, spec)
+    writer.add(name, dense)
 
 
 def merge_checkpoints(
-    inputs: list[str], output: str, method: str = "uniform", format: str = "bitmask", overwrite: bool = False
+    inputs: list[str],
+    output: str,
+    method: str = "uniform",
+    format: str = "bitmask",
+    overwrite: bool = False,
+    weights: list[float] | None = None,
 ) -> dict:
-    """Uniform soup of checkpoint folders, streamed tensor by tensor; equals :func:`hf_sms.uniform_soup`.
+    """The soup of checkpoint folders by ``method``, streamed tensor by tensor; ``"uniform"`` equals
+    :func:`hf_sms.uniform_soup`.
 
     Args:
         inputs: folders written by :func:`hf_sms.save_sparse` (either format) or a family's own saver;
             each folder once.
         output: the folder to write; must be new or empty unless ``overwrite``, and not one of the inputs.
-        method: ``"uniform"`` (greedy needs an evaluation function: use :func:`hf_sms.greedy_soup`).
+        method: a soup method that needs no validation data (:func:`streaming_methods`); greedy needs an
+            evaluation function: use :func:`hf_sms.greedy_soup`.
         format: ``"bitmask"`` or ``"dense"``, independent of the inputs' formats.
         overwrite: replace an existing non-empty ``output`` (swapped in when complete).
+        weights: one positive weight per input, normalised to sum 1 (default: the method's own, e.g. 1/m).
 
     Returns:
         The ``sparsity.json`` written. Raises ``ValueError`` before writing anything if the arguments,
         architectures or masks do not allow the merge.
     """
-    _check_request(inputs, output, method, format, overwrite)
+    spec = _check_request(inputs, output, method, format, overwrite, weights)
     ckpts = [SparseCheckpoint(d) for d in inputs]
     _check_same_architecture(ckpts)
     _check_same_masks(ckpts)  # Step 1: refuse before writing anything
-    ref, weight = ckpts[0], 1.0 / len(ckpts)
+    ref = ckpts[0]
+    if weights is None:
+        weight = spec.select([0.0] * len(ckpts), None, None)
+    else:
+        weight = [w / sum(weights) for w in weights]
     with atomic_folder(output, "replace" if overwrite else "new") as tmp:
-        # Step 2: average tensor by tensor, as hf_sms.merge.average_state_dicts does (same kernel, same order)
+        # Step 2: average tensor by tensor, as hf_sms.soup.soup.average_state_dicts does (same kernel, same order)
         writer = WeightsWriter(format)
         for name in ref.names():
-            _merge_tensor(ckpts, name, weight, writer)
+            _merge_tensor(ckpts, name, weight, spec, writer)
         stats = writer.save(os.path.join(tmp, WEIGHTS_NAME))
         del writer
         # Step 3: the folder: input 0's config and processor files, the merged weights, sparsity.json
@@ -198,7 +227,7 @@ def merge_checkpoints(
         ref.family.write_config(tmp, format)
         recipe = dict((ref.info or {}).get("recipe") or {})
         names = [os.path.basename(os.path.normpath(d)) for d in inputs]  # never a local absolute path
-        recipe.update(m=len(ckpts), merge_method=method, merged_from=names)
+        recipe.update(m=len(ckpts), merge_method=method, merged_from=names, weights=weight)
         info = write_sparsity(
             tmp,
             format=format,

@@ -12,7 +12,7 @@ from .codec import DENSE, decode_positions, decode_tensor, index_info, index_mas
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
 from .families import Family, family_of_config, get_family
 from .folder import checkpoint_file, read_json, read_sparsity, weight_files
-from .masks import MaskStats
+from .masks import MaskStats, eligible
 from .safetensors_io import SafetensorsFile, workers
 
 
@@ -139,3 +139,33 @@ class SparseCheckpoint:
         """Every tensor, dense, read and decoded on a thread pool (numpy and file reads release the GIL)."""
         with ThreadPoolExecutor(max_workers=workers()) as pool:
             return dict(zip(self._names, pool.map(self.read, self._names)))
+
+
+def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | None, stats: MaskStats | None = None):
+    """Raise if the loaded weights do not have the mask hash recorded in ``sparsity.json``.
+
+    The masks come from ``state_dict`` (dense tensors), else from ``stats`` (digests a loader recorded while
+    reading, e.g. from stored positions), else from the stored indices.
+    """
+    expected = (ckpt.info or {}).get("mask_hash")
+    if not expected:
+        return
+    # The hash covers the tensors the saver counted; recomputing over the same names keeps checkpoints
+    # valid when the eligibility rule grows (e.g. MultiheadAttention's in_proj_weight).
+    recorded = (ckpt.info or {}).get("per_tensor")
+    names = (
+        list(recorded) if recorded is not None else [n for n, t in state_dict.items() if eligible(n, t.shape, t.dtype)]
+    )
+    if stats is None:
+        stats = MaskStats()
+        stored = set(ckpt.names())
+        for name in names:
+            if state_dict is None and name in stored:
+                stats.add(name, ckpt.mask(name), "")
+            elif state_dict is not None and name in state_dict:
+                stats.add(name, state_dict[name] != 0, "")
+    if any(n not in stats.per_tensor for n in names) or stats.summary(names)["mask_hash"] != expected:
+        raise ValueError(
+            f"the weights of {ckpt.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
+            "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
+        )

@@ -20,8 +20,8 @@ from torch import nn
 from ..runtime import RuntimeReport
 from ..runtime.convert import Swap, _candidates, _set, check_request, finish, plan
 from ..runtime.layers import SparseConv2d, SparseEmbedding, SparseLinear, csr_from_positions
-from .masks import MaskStats, check_masks, eligible, positions_mask
-from .reader import SparseCheckpoint
+from .masks import MaskStats, eligible, positions_mask
+from .reader import SparseCheckpoint, check_masks
 from .safetensors_io import workers
 
 

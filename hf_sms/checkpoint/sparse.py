@@ -9,8 +9,8 @@ from torch import nn
 from .constants import FORMATS, INDEX_NAME, WEIGHTS_NAME
 from .families import family_of_model
 from .folder import atomic_folder, weight_files, write_sparsity
-from .masks import MaskStats, check_masks, eligible
-from .reader import SparseCheckpoint
+from .masks import MaskStats, eligible
+from .reader import SparseCheckpoint, check_masks
 from .runtime_load import load_runtime
 from .safetensors_io import SafetensorsFile, WeightsWriter
 from .state import load_into

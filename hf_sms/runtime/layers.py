@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 _TRAIN_ERROR = (
     "a sparse runtime model is for inference only: train the masked dense model (SparseSoupTrainer), then "
@@ -327,8 +328,6 @@ def dense_module(sparse: nn.Module) -> nn.Module:
             device="meta",
         )
     elif getattr(sparse, "transposed", False):
-        from transformers.pytorch_utils import Conv1D
-
         out = Conv1D(sparse.out_features, sparse.in_features).to("meta")
     else:
         out = nn.Linear(sparse.in_features, sparse.out_features, bias=bias is not None, device="meta")

@@ -9,8 +9,8 @@ from torch import nn
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, compute_masks
 from hf_sms.data import TensorDictDataset
-from hf_sms.distributed import ReplicaWorld
-from hf_sms.merge import average_state_dicts
+from hf_sms.loop.distributed import ReplicaWorld
+from hf_sms.soup.soup import average_state_dicts
 
 torch.set_num_threads(1)
 mode = sys.argv[1]

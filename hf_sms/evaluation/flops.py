@@ -1,4 +1,9 @@
-"""Metrics the SMS loop records: accuracy and the prediction ensemble."""
+"""The theoretical speedup: FLOPs of the dense model over FLOPs with every zero weight (and removed filter) skipped.
+
+Counted from the matmuls and convolutions a forward pass really runs (a dispatch mode over aten), so tied
+weights, attention and any layer type are covered. This is what sparse kernels could save; what they do save
+on a machine is measured by :func:`hf_sms.runtime.measure_speedup`.
+"""
 
 from __future__ import annotations
 
@@ -10,128 +15,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import DataLoader
 from torch.utils.flop_counter import flop_registry
-from transformers import PreTrainedModel, default_data_collator
+from transformers import PreTrainedModel
 
-from .batchnorm import forward_batch
-from .prunable import _CONV, prunable_tensors, unfused_attention
-from .structured import filter_sparsity, module_zero_filters
-
-MetricFn = Callable[[nn.Module, object], float]
-
-
-def _logits(outputs) -> torch.Tensor:
-    return outputs.logits if hasattr(outputs, "logits") else outputs
-
-
-@torch.no_grad()
-def predict_proba(
-    model: nn.Module, dataset, batch_size: int = 256, collate_fn=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax probabilities and labels of a classifier over ``dataset`` (dicts with a ``labels`` key)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    probs, labels = [], []
-    for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn or default_data_collator):
-        probs.append(_logits(forward_batch(model, batch, device)).float().softmax(-1).cpu())
-        labels.append(batch["labels"])
-    model.train(was_training)
-    return torch.cat(probs), torch.cat(labels)
-
-
-class ClassificationAccuracy:
-    """Top-1 accuracy in % as a metric for the SMS loop: ``metric(model, dataset) -> float``.
-
-    It also defines ``predict(model, dataset)`` (softmax probabilities) and ``score(probs, dataset)``, which
-    the loop uses for the prediction-ensemble diagnostic (docs/method.md §8); any metric object with those two
-    methods gets the ensemble row.
-    """
-
-    name = "top-1 accuracy"
-
-    def __init__(self, batch_size: int = 256, collate_fn=None):
-        self.batch_size, self.collate_fn = batch_size, collate_fn
-
-    def predict(self, model: nn.Module, dataset) -> torch.Tensor:
-        return predict_proba(model, dataset, self.batch_size, self.collate_fn)[0]
-
-    def score(self, probs: torch.Tensor, dataset) -> float:
-        labels = torch.cat([b["labels"] for b in DataLoader(dataset, self.batch_size, collate_fn=self._collate)])
-        return 100.0 * float((probs.argmax(-1) == labels).float().mean())
-
-    def __call__(self, model: nn.Module, dataset) -> float:
-        probs, labels = predict_proba(model, dataset, self.batch_size, self.collate_fn)
-        return 100.0 * float((probs.argmax(-1) == labels).float().mean())
-
-    @property
-    def _collate(self):
-        return self.collate_fn or default_data_collator
-
-
-class BleuMetric:
-    """Corpus BLEU (sacrebleu) of greedy or beam-search generations against ``labels`` (seq2seq models)."""
-
-    name = "BLEU"
-
-    def __init__(self, tokenizer, max_new_tokens: int = 128, num_beams: int = 1, batch_size: int = 64, collate_fn=None):
-        self.tokenizer, self.max_new_tokens, self.num_beams = tokenizer, max_new_tokens, num_beams
-        self.batch_size, self.collate_fn = batch_size, collate_fn or default_data_collator
-
-    @torch.no_grad()
-    def __call__(self, model: nn.Module, dataset) -> float:
-        import sacrebleu
-
-        was_training = model.training
-        model.eval()
-        device = next(model.parameters()).device
-        hyps, refs = [], []
-        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn):
-            out = model.generate(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
-                max_new_tokens=self.max_new_tokens,
-                num_beams=self.num_beams,
-            )
-            labels = batch["labels"].masked_fill(batch["labels"] == -100, self.tokenizer.pad_token_id)
-            hyps += self.tokenizer.batch_decode(out, skip_special_tokens=True)
-            refs += self.tokenizer.batch_decode(labels, skip_special_tokens=True)
-        model.train(was_training)
-        return float(sacrebleu.corpus_bleu([h.strip() for h in hyps], [[r.strip() for r in refs]]).score)
-
-
-class MeanIoU:
-    """Mean intersection over union in % for segmentation logits ``(N, C, H, W)`` vs ``labels`` ``(N, H, W)``.
-
-    Pixels labelled ``ignore_index`` are skipped; classes absent from both prediction and labels are
-    left out of the mean.
-    """
-
-    name = "mIoU"
-
-    def __init__(self, num_classes: int, batch_size: int = 16, ignore_index: int = -100, collate_fn=None):
-        self.num_classes, self.batch_size, self.ignore_index = num_classes, batch_size, ignore_index
-        self.collate_fn = collate_fn or default_data_collator
-
-    @torch.no_grad()
-    def __call__(self, model: nn.Module, dataset) -> float:
-        was_training = model.training
-        model.eval()
-        device = next(model.parameters()).device
-        confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.long)
-        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn):
-            pred = _logits(forward_batch(model, batch, device)).argmax(1).cpu()
-            labels = batch["labels"]
-            keep = labels != self.ignore_index
-            idx = labels[keep] * self.num_classes + pred[keep]
-            confusion += torch.bincount(idx, minlength=self.num_classes**2).view(self.num_classes, -1)
-        model.train(was_training)
-        inter = confusion.diag().double()
-        union = confusion.sum(0).double() + confusion.sum(1).double() - inter
-        present = union > 0
-        return 100.0 * float((inter[present] / union[present]).mean()) if present.any() else 0.0
-
+from ..batchnorm import forward_batch
+from ..pruning.prunable import _CONV, prunable_tensors, unfused_attention
+from ..pruning.structured import filter_sparsity, module_zero_filters
 
 # aten matmuls and convolutions -> argument positions of their two operands (addmm/baddbmm add a bias first).
 _aten = torch.ops.aten
@@ -290,9 +179,10 @@ def theoretical_speedup(model: nn.Module, batch) -> float:
     which only removed filters make zeros (see ``_removed_filter_probe``; a residual add keeps a channel alive if
     any branch feeds it) and constant over the batch and positions in ``model`` itself, so work that still
     depends on the input is never skipped. A conv that reads a tensor before a residual add skips the channels
-    removed in it even if the add's other branch keeps them (a dense export, :func:`hf_sms.structured.shrink_filters`,
-    cannot). Linear layers reading removed channels (a head after global pooling) are counted with their own zeros
-    only. Without removed filters the count is the unstructured one above, on one forward; with them it takes two
+    removed in it even if the add's other branch keeps them (a dense export,
+    :func:`hf_sms.pruning.structured.shrink_filters`, cannot). Linear layers reading removed channels (a head after
+    global pooling) are counted with their own zeros only. Without removed filters the count is the unstructured one
+    above, on one forward; with them it takes two
     forwards and a copy of the model.
     """
     structured = filter_sparsity(model)["zero_filters"] > 0

@@ -3,7 +3,7 @@
 Each allocation is a pure function ``(tensors, weights, masks, sparsity) -> masks`` in a registry, so a new
 one is one function and one decorator line. ``weights`` are detached float32 copies of the weights with
 pruned entries zeroed; ``masks`` always exist (all-True when unpruned); each tensor's ``uses`` tell which
-layers use it in which order (see :func:`hf_sms.prunable.first_use`).
+layers use it in which order (see :func:`hf_sms.pruning.prunable.first_use`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from ..registry import ALLOCATIONS
 from .prunable import Masks, PrunableTensor, filter_index, first_use, last_use, per_filter_sum
-from .registry import registrar
 
 Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
-ALLOCATIONS: dict[str, Allocation] = {}
-register_allocation = registrar(ALLOCATIONS, "allocation")
+register_allocation = ALLOCATIONS.register
 
 
 def _masked_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -184,14 +183,13 @@ def parse_n_of_m(name: str) -> tuple[int, int] | None:
     return n, m
 
 
-def get_allocation(name: str) -> Allocation:
-    """The allocation called ``name``: a registered one, or ``"n:m"`` (:func:`n_of_m`); else a clear error."""
+def _n_of_m_allocation(name: str) -> Allocation | None:
     nm = parse_n_of_m(name)
-    if nm is not None:
-        return functools.partial(n_of_m, n=nm[0], m=nm[1])
-    if name not in ALLOCATIONS:
-        raise ValueError(f"unknown allocation {name!r}; choose one of {sorted(ALLOCATIONS)} or 'n:m' (e.g. '2:4')")
-    return ALLOCATIONS[name]
+    return functools.partial(n_of_m, n=nm[0], m=nm[1]) if nm is not None else None
+
+
+ALLOCATIONS.parse = _n_of_m_allocation
+get_allocation = ALLOCATIONS.get  # a registered allocation, or "n:m" (n_of_m); else a clear error
 
 
 def n_of_m(tensors, weights, masks, sparsity, *, n: int, m: int) -> Masks:

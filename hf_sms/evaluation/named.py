@@ -9,11 +9,11 @@ per subgroup) gets its details kept in results.json, and the details' ``"value"`
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from torch import nn
 
-MetricFn = Callable[[nn.Module, object], float]
+from .metrics import MetricFn, as_metric
 
 
 def named_tests(test_dataset, metric_fn: MetricFn) -> dict[str, tuple[object, MetricFn]]:
@@ -24,14 +24,16 @@ def named_tests(test_dataset, metric_fn: MetricFn) -> dict[str, tuple[object, Me
     """
     if test_dataset is None:
         return {}
+    metric_fn = as_metric(metric_fn)
     if not isinstance(test_dataset, Mapping) or hasattr(test_dataset, "column_names"):  # a datasets.Dataset
         return {"test": (test_dataset, metric_fn)}
     out = {}
     for name, entry in test_dataset.items():
-        dataset, metric = (
-            entry if isinstance(entry, tuple) and len(entry) == 2 and callable(entry[1]) else (entry, metric_fn)
+        is_pair = (
+            isinstance(entry, tuple) and len(entry) == 2 and (callable(entry[1]) or as_metric(entry[1]) is not entry[1])
         )
-        out[str(name)] = (dataset, metric)
+        dataset, metric = entry if is_pair else (entry, metric_fn)
+        out[str(name)] = (dataset, as_metric(metric))
     return out
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..seeding import derive_seed
+
 CORRUPTIONS = (
     "gaussian_noise",
     "shot_noise",
@@ -271,8 +273,6 @@ def corrupted_dataset(images, labels, corruption: str, severity: int, seed: int 
     Image ``i``'s seed is derived from ``(seed, corruption, severity, i)``, so an item does not depend on
     which others are made or in what order. A recipe turns the arrays into model inputs.
     """
-    from .seeding import derive_seed
-
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
     return [

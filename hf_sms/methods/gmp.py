@@ -1,28 +1,27 @@
-"""Pruning during training: GMP and DPF inside one ``SparseSoupTrainer`` run (docs/method.md §7).
+"""GMP, gradual magnitude pruning (Zhu & Gupta 2017, "To prune, or not to prune"), with and without SMS
+(the paper's §4.3; docs/method.md §7): ``n`` pruning steps at uniformly distributed iterations of one training
+run, the sparsity following a cubic schedule; masks only grow.
 
-The paper's Section 4.3 prunes while training instead of after it, with SMS merging between pruning steps:
-
-- GMP, gradual magnitude pruning (Zhu & Gupta 2017, "To prune, or not to prune"): ``n`` pruning steps at
-  uniformly distributed iterations, sparsity following a cubic schedule; masks only grow.
-- DPF, dynamic pruning with feedback (Lin et al. 2020, "Dynamic Model Pruning with Feedback"): dense weights
-  are kept and trained with the gradient taken at the masked weights; the mask is recomputed from the dense
-  weights every 16 iterations, so a pruned weight can come back.
-
-Both follow the original LR schedule (``SparseSoupTrainer(..., lr_schedule="original")``), start dense
-(``masks={}``) and share the same schedule of targets, given here as pure functions of the iteration.
+This file is the whole method: the schedule (pure functions of the iteration, shared with DPF), the trainer
+callback that prunes, the run with SMS between pruning steps, and its registration with its config check.
+It follows the original LR schedule (``SparseSoupTrainer(..., lr_schedule="original")``) and starts dense
+(``masks={}``). With ``num_replicas = m > 1`` every phase (the interval between two pruning steps) that starts
+at or after ``sms_start_epoch`` trains m copies of the just-pruned model with independent random streams and
+merges them (``merge_methods[0]``, BatchNorm recalibrated) before the next pruning step; each copy starts with
+fresh optimizer state, since the m copies' momenta are not merged. Earlier phases, and every phase when m = 1,
+are the plain method in one uninterrupted run.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from transformers import TrainerCallback
 
-from .allocations import get_allocation
-from .pruning import compute_masks
-
-if TYPE_CHECKING:
-    from .trainer import SparseSoupTrainer
+from ..phase import PhaseSpec
+from ..pruning.allocations import get_allocation
+from ..pruning.masks import compute_masks, masks_from_model
+from ..registry import PRUNING_METHODS
+from ..seeding import derive_seed
+from .common import check_pruning_steps, single, sms_start_step, total_steps
 
 
 def _check_schedule(n: int, target: float) -> None:
@@ -117,9 +116,9 @@ class GradualPruning(TrainerCallback):
         get_allocation(allocation)  # raises on an unknown name
         self.n_steps, self.target, self.allocation = n_steps, float(target), allocation
         self.example_inputs = example_inputs
-        self.trainer: SparseSoupTrainer | None = None
+        self.trainer = None  # the SparseSoupTrainer, bound when it trains
 
-    def bind_trainer(self, trainer: SparseSoupTrainer) -> None:
+    def bind_trainer(self, trainer) -> None:
         """Called by ``SparseSoupTrainer.train``: the callback prunes through the trainer's masks."""
         self.trainer = trainer
 
@@ -163,40 +162,64 @@ class GradualPruning(TrainerCallback):
             self._maybe_prune(state, optimizer)
 
 
-class DynamicPruning(GradualPruning):
-    """DPF (Lin et al. 2020, "Dynamic Model Pruning with Feedback") in one SparseSoupTrainer run.
+def gradual(ctx, plain_kwargs: dict, copy_kwargs, soup: str, keep_masks: bool = True):
+    """Prune during one training run on GMP's schedule, +SMS per interval, through the loop's phase step.
 
-    Puts the trainer in feedback mode: the weights stay dense; each step's forward and backward run at the
-    masked weights and the (unmasked) gradient updates the dense weights, so pruned weights keep learning.
-    Every ``interval`` global iterations, and at each of GMP's pruning iterations, the mask is recomputed
-    from the dense weights at :func:`sparsity_at` (GMP's current target; no mask before its first pruning
-    step): a weight that grew back is kept again. When training ends the current mask is applied to the
-    weights and the optimizer state, so the returned model is sparse and masks are exact from then on.
-    The recompute at pruning iterations (not only every ``interval``) reaches each target when GMP does.
+    Args:
+        ctx: the loop (:class:`~hf_sms.methods.common.MethodContext`).
+        plain_kwargs: trainer arguments of the plain run (its pruning callback, a masking policy).
+        copy_kwargs: ``fn() -> dict``: trainer arguments of each SMS copy.
+        soup: the soup method that merges the copies.
+        keep_masks: carry each soup's mask into the next pruning step (GMP: masks only grow); ``False``: prune
+            from the weights alone (DPF).
     """
+    a, name = ctx.args, ctx.args.pruning_method
+    total = total_steps(ctx)
+    phases = gmp_phases(total, a.pruning_steps, a.target_sparsity)
+    start = sms_start_step(ctx, total)
+    sms = [p for p in phases[1:] if p[0] >= start] if a.num_replicas > 1 else []
+    split = sms[0][0] if sms else total  # the plain method runs uninterrupted up to here
+    ctx.results["phases"] = [s for _, _, s in sms] or [a.target_sparsity]
+    plain = single(a, max_steps=split, seed=derive_seed(a.seed, name, 0, 0))
+    model = ctx.train_single(ctx.pretrained, plain, f"{name}/plain", total_steps=total, **plain_kwargs)
+    if not sms:
+        model = ctx.recalibrate(model)  # as every soup is, so that comparisons are fair (docs/method.md §5)
+        ctx.recorder.row(name, len(ctx.results["phases"]) - 1, ctx.recorder.measure(model))
+        return model
+    masks = masks_from_model(model) if keep_masks else None
+    for p, (begin, end, sparsity) in enumerate(sms):
+        spec = PhaseSpec(
+            index=p,
+            sparsity=sparsity,
+            start=model,
+            masks=masks,
+            hparams=[
+                single(a, max_steps=end - begin, seed=derive_seed(a.seed, name, p + 1, i))
+                for i in range(a.num_replicas)
+            ],
+            folder=lambda i, p=p: f"{name}-sms/phase{p + 1}/replica{i}",
+            soup=soup,
+            trainer_kwargs=lambda i, begin=begin: {
+                "lr_schedule": "original",
+                "step_offset": begin,
+                "total_steps": total,
+                **copy_kwargs(),
+            },
+        )
+        result = ctx.run_phase(spec)
+        model, masks = result.soup, result.masks if keep_masks else None
+        ctx.recorder.sms(a.merge_methods[0], p, sparsity, result)
+    return model
 
-    def __init__(
-        self, n_steps: int, target: float, allocation: str = "global", interval: int = 16, example_inputs=None
-    ):
-        super().__init__(n_steps, target, allocation, example_inputs)
-        if not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"interval (iterations between mask updates) must be an integer >= 1, got {interval!r}")
-        self.interval = interval
 
-    def bind_trainer(self, trainer: SparseSoupTrainer) -> None:
-        super().bind_trainer(trainer)
-        trainer.feedback = True
+def gmp(ctx):
+    """GMP: the plain run prunes with :class:`GradualPruning`; the copies train under the phase's mask."""
+    a = ctx.args
+    callback = GradualPruning(a.pruning_steps, a.target_sparsity, a.allocation, ctx.example)
+    return gradual(ctx, {"callbacks": [callback]}, dict, a.merge_methods[0])
 
-    def _sparsity_to_prune(self, iteration: int, total: int) -> float | None:
-        due = iteration in pruning_targets(total, self.n_steps, self.target) or iteration % self.interval == 0
-        sparsity = sparsity_at(iteration, total, self.n_steps, self.target)
-        return sparsity if due and sparsity > 0 else None
 
-    def _prune(self, sparsity: float, optimizer) -> None:
-        # From the dense weights and without the old masks: a pruned weight that grew large comes back.
-        masks = compute_masks(self.trainer.model, sparsity, self.allocation, None, self.example_inputs)
-        self.trainer.set_masks(masks)
-
-    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
-        self.trainer.feedback = False
-        self.trainer.enforcer.after_step(optimizer)
+# `tiny`: settings for a seconds-long run (the contract tests run every method with them)
+PRUNING_METHODS.add(
+    "gmp", gmp, check=check_pruning_steps, during_training=True, tiny={"max_steps": 8, "pruning_steps": 2}
+)

@@ -1,7 +1,7 @@
 """Magnitude pruning: masks, phase targets and the pruning step (docs/method.md §1-§3).
 
 A mask is a plain ``bool`` tensor per parameter name, ``True`` where the weight is kept. Which weights are
-prunable lives in :mod:`hf_sms.prunable`, how sparsity is spread over them in :mod:`hf_sms.allocations`.
+prunable lives in :mod:`hf_sms.pruning.prunable`, how sparsity is spread over them in :mod:`hf_sms.pruning.allocations`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def compute_masks(
         model: any torch model; prunable tensors are found by :func:`prunable_tensors`.
         sparsity: target fraction in [0, 1) of all prunable weights (tied weights counted once).
         allocation: a name in ``ALLOCATIONS`` ("global", "uniform", "uniform_plus", "erk", "lamp", "filter_l2",
-            "filter_l1"), or ``"n:m"`` such as ``"2:4"`` (:func:`hf_sms.allocations.n_of_m`).
+            "filter_l1"), or ``"n:m"`` such as ``"2:4"`` (:func:`hf_sms.pruning.allocations.n_of_m`).
         masks: masks of an earlier phase; weights they prune stay pruned (masks only grow).
         example_inputs: optional batch (see :func:`call_order_uses`); with it, one forward pass orders the
             layers by call, so "first conv" and "last linear" (``uniform_plus``) mean execution order.
@@ -101,7 +101,7 @@ def sparsity_report(model: nn.Module, masks: Masks | None = None) -> dict:
     """Measured sparsity: fraction of exact zeros in the prunable weights, globally and per tensor.
 
     ``report["filters"]`` is the structured view (Li et al. 2017, docs/method.md §2): the fraction of conv output
-    filters that are entirely zero, overall and per conv weight (:func:`hf_sms.structured.filter_sparsity`).
+    filters that are entirely zero, overall and per conv weight (:func:`hf_sms.pruning.structured.filter_sparsity`).
     If ``masks`` is given, also reports the mask's sparsity, so the two can be compared.
     """
     per_tensor, zeros, numel = {}, 0, 0

@@ -17,7 +17,7 @@ class Accumulator:
     """A running weighted sum of tensors shaped like ``like``.
 
     ``add`` the inputs (in any number of calls, on any process), then ``result()``. Across processes,
-    all-reduce ``total`` before ``result`` (see :meth:`hf_sms.distributed.ReplicaWorld.average`).
+    all-reduce ``total`` before ``result`` (see :meth:`hf_sms.loop.distributed.ReplicaWorld.average`).
     """
 
     def __init__(self, like: torch.Tensor, device: torch.device | str | None = None):

@@ -1,12 +1,13 @@
-"""Keeping pruned weights at exactly zero while training.
+"""Keeping pruned weights at exactly zero while training: the mask kernels and the masking policies.
 
 No ``torch.nn.utils.prune`` reparametrisation: it breaks ``deepcopy`` and doubles checkpoints. Instead
 gradients are masked before clipping and the optimizer step (so clipping norms, Adam moments and
-Adafactor's factored statistics see only live weights), and after each step the weights and every
-per-element optimizer state are masked again, which also covers optimizers that mix entries.
-
-DPF (Lin et al. 2020) instead keeps the dense weights and only masks them around the forward and backward
-pass: :meth:`MaskEnforcer.masked_weights`.
+Adafactor's factored statistics see only live weights). With a masked gradient and zero optimizer state at a
+pruned weight, SGD (momentum, Nesterov, weight decay), Adam and AdamW leave that weight at exactly zero on their
+own, so :class:`ExactMasking` does one pass per step for them; for every other optimizer (Adafactor, Adagrad,
+RMSprop, 8-bit ones, anything unknown) it also masks the weights and every per-element optimizer state after
+the step. A policy is the object a trainer asks what to mask when; DPF's
+(:class:`hf_sms.methods.dpf.FeedbackMasking`) keeps dense weights instead.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .masks import validate_masks
 from .prunable import Masks
-from .pruning import validate_masks
 
 
 class MaskEnforcer:
@@ -95,6 +96,80 @@ class MaskEnforcer:
             torch._foreach_mul_(states, masks)
 
     def after_step(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Mask the weights and the optimizer's per-element state (all passes)."""
         self.mask_parameters()
         if optimizer is not None:
-            self.mask_optimizer_state(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps it
+            self.mask_optimizer_state(unwrap_optimizer(optimizer))
+
+
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside accelerate's wrapper (or the optimizer itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+# Optimizers whose update at a weight depends only on that weight's gradient, weight and state, and is exactly
+# zero when all three are: with masked gradients and zeroed state a pruned weight stays exactly 0.0. The exact
+# type is checked: a subclass may change the update.
+KEEPS_ZEROS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def keeps_zeros(optimizer) -> bool:
+    """Whether masked gradients alone keep pruned weights at zero under ``optimizer`` (see ``KEEPS_ZEROS``)."""
+    return optimizer is not None and type(unwrap_optimizer(optimizer)) in KEEPS_ZEROS
+
+
+class MaskingPolicy:
+    """What a :class:`~hf_sms.SparseSoupTrainer` masks, and when. The trainer calls: ``forward_context()`` around
+    each forward and backward (and evaluation), ``before_step()`` once the gradients of a step are complete,
+    ``after_step(optimizer)`` after each optimizer step, ``start(optimizer)`` when training begins,
+    ``new_masks(optimizer)`` when the masks change, ``end(optimizer)`` when training ends, and
+    ``sparsity()`` to log."""
+
+    def __init__(self):
+        self.enforcer: MaskEnforcer | None = None
+
+    def bind(self, enforcer: MaskEnforcer) -> None:
+        self.enforcer = enforcer
+
+    def forward_context(self):
+        return contextlib.nullcontext()
+
+    def before_step(self) -> None: ...
+
+    def after_step(self, optimizer) -> None: ...
+
+    def start(self, optimizer) -> None: ...
+
+    def new_masks(self, optimizer) -> None: ...
+
+    def end(self, optimizer) -> None: ...
+
+    @torch.no_grad()
+    def sparsity(self) -> float:
+        """Fraction of the masked weights that are exactly zero."""
+        params = self.enforcer.params
+        zeros = sum(int((p == 0).sum()) for p in params)
+        return zeros / max(sum(p.numel() for p in params), 1)
+
+
+class ExactMasking(MaskingPolicy):
+    """Pruned weights exactly zero after every step, with as few passes as the optimizer allows.
+
+    Gradients are masked before clipping and the step. For optimizers in ``KEEPS_ZEROS`` that is all (one pass
+    per step); for the others the weights and optimizer state are masked after every step too. Weights and
+    state are always masked in full when training starts (state restored on resume) and when the masks change
+    (a newly pruned weight carries no momentum into the next step; Zhu & Gupta 2017).
+    """
+
+    def before_step(self) -> None:
+        self.enforcer.mask_gradients()
+
+    def after_step(self, optimizer) -> None:
+        if not keeps_zeros(optimizer):
+            self.enforcer.after_step(optimizer)
+
+    def start(self, optimizer) -> None:
+        self.enforcer.after_step(optimizer)
+
+    def new_masks(self, optimizer) -> None:
+        self.enforcer.after_step(optimizer)

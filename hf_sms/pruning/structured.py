@@ -1,6 +1,6 @@
 """Structured (filter) pruning, Li et al. 2017 "Pruning Filters for Efficient ConvNets" (docs/method.md §2).
 
-The allocations ``filter_l2``/``filter_l1`` (:mod:`hf_sms.allocations`) mask whole conv output filters. This
+The allocations ``filter_l2``/``filter_l1`` (:mod:`hf_sms.pruning.allocations`) mask whole conv output filters. This
 module measures them (:func:`filter_sparsity`) and exports a masked convnet as a physically smaller dense one
 (:func:`shrink_filters`): a removed filter takes its feature map with it, so the BatchNorm channel that
 normalises it and the consumers' input channels that read it go too, as in Li et al. 2017 §3.2.
@@ -224,7 +224,7 @@ def shrink_filters(model: nn.Module, example_inputs, exact: bool = True) -> nn.M
         exact: a removed filter still emits a constant (its conv bias through BatchNorm and activation). With
             ``exact=True`` a channel is removed only where that constant is 0 at every consumer, so the shrunk
             model's eval outputs equal ``model``'s. With ``exact=False`` every removable channel goes with its
-            constant: Li et al.'s convention, which :func:`hf_sms.evaluation.theoretical_speedup` counts too (that
+            constant: Li et al.'s convention, which :func:`hf_sms.evaluation.theoretical_speedup` counts (that
             count also skips a conv's reads of a channel removed before a residual add that a dense export keeps).
 
     Returns:

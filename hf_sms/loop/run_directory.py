@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint.constants import LOCK_FILE, RUN_FILE, TMP_PREFIX
-from .data import peek
-from .results import save_results
+from ..checkpoint.constants import LOCK_FILE, RUN_FILE, TMP_PREFIX
+from ..data import peek
+from ..results import save_results
 
 # Config fields that cannot change a replica's weights or the metrics: where and how a run reports.
 _NOT_RESULTS = (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .batchnorm import forward_batch
+from ..batchnorm import forward_batch
 
 Masks = dict[str, torch.Tensor]
 

@@ -28,7 +28,7 @@ def diversity(metric_fn, world, candidates: dict, val: list[float], eval_dataset
     ``candidates`` are this process's replicas (``world`` gathers the rest), ``val`` the validation scores of
     all m. Needs a metric with
     ``predict`` (class probabilities, classes in the last dimension) and ``score``, as
-    :class:`hf_sms.evaluation.ClassificationAccuracy`; otherwise ``{}``.
+    :class:`hf_sms.evaluation.metrics.ClassificationAccuracy`; otherwise ``{}``.
     """
     if not (hasattr(metric_fn, "predict") and hasattr(metric_fn, "score")):
         return {}

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from .evaluation import predict_proba
+from .metrics import predict_proba
 
 
 def _plain(value) -> Hashable:
@@ -91,7 +91,7 @@ class SubgroupRecall:
 
     Items are dicts with ``labels`` (the class) and a group attribute under ``group_key``; the attribute is
     removed before the forward pass. ``details`` gives every subgroup's recall, and ``predict`` / ``score``
-    let the loop score the replicas' prediction ensemble, as :class:`~hf_sms.evaluation.ClassificationAccuracy`.
+    let the loop score the replicas' prediction ensemble, as :class:`~hf_sms.evaluation.metrics.ClassificationAccuracy`.
 
     Args:
         group_key: the item key of the group attribute (e.g. ``"group"``: 0 female, 1 male).

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .averaging import Accumulator
-from .prunable import Masks
+from ..pruning.prunable import Masks
+from ..soup.averaging import Accumulator
 
 StateDict = dict[str, torch.Tensor]
 
@@ -170,7 +170,7 @@ class ReplicaWorld:
         """Weighted mean of the replicas' state dicts (one weight per replica, 0 leaves it out), whichever
         process holds them.
 
-        The averaging kernel (:class:`hf_sms.averaging.Accumulator`) on one flat buffer per dtype class:
+        The averaging kernel (:class:`hf_sms.soup.averaging.Accumulator`) on one flat buffer per dtype class:
         each group main adds its replicas, one all-reduce sums the parts; integer buffers come from the
         first replica with a nonzero weight.
         """
@@ -193,6 +193,25 @@ class ReplicaWorld:
                 out[k] = a.total[offset : offset + n].view(template[k].shape).to(template[k].device, template[k].dtype)
                 offset += n
         return {k: out[k] for k in template}
+
+    @torch.no_grad()
+    def all_candidates(self, local: dict[int, StateDict], n: int, template: StateDict) -> dict[int, StateDict]:
+        """Every one of the ``n`` replicas' state dicts on every process, each sent by its owner (for soups that
+        are not a weighted mean and need all candidates' tensors at once)."""
+        if self.size == 1:
+            return dict(local)
+        out = {}
+        for i in range(n):
+            owner = (i % self.n_groups) * self.group_size  # the owner group's main rank
+            state = {}
+            for k, like in template.items():
+                t = local[i][k] if self.rank == owner else torch.empty_like(like)
+                t = t.to(self.device)
+                t = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+                dist.broadcast(t, src=owner)
+                state[k] = t.to(like.device, like.dtype)
+            out[i] = state
+        return out
 
     @torch.no_grad()
     def sum_tensors(self, local: dict[int, torch.Tensor], shape, dtype=torch.float64) -> torch.Tensor:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from transformers.trainer_utils import has_length
 
-from .data import peek
+from ..data import peek
 
 
 def check_inputs(args, train_dataset, eval_dataset, metric_fn) -> None:
@@ -15,7 +15,7 @@ def check_inputs(args, train_dataset, eval_dataset, metric_fn) -> None:
     if not callable(metric_fn):
         raise ValueError(
             f"metric_fn must be a callable metric_fn(model, dataset) -> float (higher is better), got {metric_fn!r}; "
-            "e.g. hf_sms.evaluation.ClassificationAccuracy()"
+            "e.g. hf_sms.evaluation.metrics.ClassificationAccuracy()"
         )
     for name, data in (("training", train_dataset), ("validation", eval_dataset)):
         if data is None or (has_length(data) and len(data) == 0):

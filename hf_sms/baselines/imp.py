@@ -1,0 +1,70 @@
+"""The IMP baselines reported beside SMS (docs/method.md §6): IMP, IMP_mx and IMP-RePrune, each a registration in
+:data:`hf_sms.registry.BASELINES` that runs ``fn(ctx)`` (the loop) and records its rows. All three are IMP tracks
+through the loop's phase step: m = 1 per track, each track with its own random stream and its own mask, tracks in
+parallel like replicas."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from ..phase import PhaseSpec
+from ..registry import BASELINES
+from ..seeding import derive_seed
+from ..soup.soup import soup
+
+
+def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False) -> None:
+    """IMP (m=1) tracks in lockstep; with several tracks also IMP-RePrune: their average, re-pruned to the phase's
+    sparsity (their masks diverge)."""
+    args, world = ctx.args, ctx.world
+    tracks = {i: copy.deepcopy(ctx.pretrained) for i in world.owned(n_tracks)}
+    masks: dict = {}
+    for p, sparsity in enumerate(ctx.results["phases"]):
+        hparams = []
+        for i in range(n_tracks):
+            h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))
+            hparams.append(dataclasses.replace(h, **args.phase_budget(p)) if times_m else h)  # IMP_mx: SMS's compute
+        spec = PhaseSpec(p, sparsity, tracks, masks, hparams, lambda i, p=p: f"{name}/phase{p + 1}/track{i}", soup=None)
+        result = ctx.run_phase(spec)  # no mask broadcast: IMP runs are independent
+        tracks, masks = result.candidates, result.masks
+        ctx.recorder.row(name, p, world.gather({0: ctx.recorder.measure(tracks[0])} if 0 in tracks else {})[0])
+        if n_tracks > 1:
+            reprune, _ = soup(
+                tracks,
+                "reprune",
+                template=ctx.pretrained,
+                world=world,
+                scores=result.val,
+                recalibrate=ctx.recalibrate,
+                sparsity=sparsity,
+                allocation=args.allocation,
+                example_inputs=ctx.example,
+            )
+            ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(reprune))
+
+
+def _needs_two(config) -> None:
+    if config.num_replicas < 2:
+        raise ValueError(
+            "baselines=['imp_reprune'] averages num_replicas independent IMP runs, so it needs num_replicas >= 2"
+        )
+
+
+@BASELINES.register("imp")
+def imp(ctx) -> None:
+    """IMP: m = 1, the same retraining per phase as one replica."""
+    if "imp_reprune" not in ctx.args.baselines:  # IMP-RePrune's first track is this IMP run
+        run_imp(ctx, "imp", n_tracks=1)
+
+
+@BASELINES.register("imp_mx")
+def imp_mx(ctx) -> None:
+    """IMP_mx: m = 1, retrained with the compute SMS spends per phase (the sum over its replicas)."""
+    run_imp(ctx, "imp_mx", n_tracks=1, times_m=True)
+
+
+@BASELINES.register("imp_reprune", check=_needs_two)
+def imp_reprune(ctx) -> None:
+    """IMP-RePrune: m independent IMP runs (their masks diverge), averaged and re-pruned after each phase."""
+    run_imp(ctx, "imp", n_tracks=ctx.args.num_replicas)

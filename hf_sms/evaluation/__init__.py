@@ -1,0 +1,22 @@
+"""Evaluation: metrics (top-1 accuracy with the prediction ensemble, BLEU, mean IoU), named test sets, subgroup
+recall, corrupted test sets (``hf_sms.evaluation.corruptions``, the ``ood`` extra), the replicas' diversity, and
+the FLOP count."""
+
+from .flops import theoretical_speedup
+from .metrics import BleuMetric, ClassificationAccuracy, MeanIoU, MetricFn, predict_proba
+from .named import MeanOverSets, measure, metric_name, named_tests
+from .subgroups import SubgroupRecall
+
+__all__ = [
+    "BleuMetric",
+    "ClassificationAccuracy",
+    "MeanIoU",
+    "MeanOverSets",
+    "MetricFn",
+    "SubgroupRecall",
+    "measure",
+    "metric_name",
+    "named_tests",
+    "predict_proba",
+    "theoretical_speedup",
+]

@@ -1,0 +1,183 @@
+"""Metrics the SMS loop scores models with: top-1 accuracy (with the prediction ensemble), BLEU, mean IoU, and any
+``evaluate`` module (:class:`EvaluateMetric`).
+
+A metric is ``metric(model, dataset) -> float``, higher is better. The built-in ones read their data through a
+``DataLoader`` with ``loader_kwargs`` (workers, pinned memory), which the loop fills from the run's config
+(``dataloader_num_workers``, ``dataloader_pin_memory``) unless set: at ImageNet scale every phase evaluates m
+candidates, soups and baselines on 50k images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import default_data_collator
+
+from ..batchnorm import forward_batch
+
+MetricFn = Callable[[nn.Module, object], float]
+
+
+def _logits(outputs) -> torch.Tensor:
+    return outputs.logits if hasattr(outputs, "logits") else outputs
+
+
+@torch.no_grad()
+def predict_proba(
+    model: nn.Module, dataset, batch_size: int = 256, collate_fn=None, loader_kwargs: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax probabilities and labels of a classifier over ``dataset`` (dicts with a ``labels`` key)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    probs, labels = [], []
+    loader = DataLoader(dataset, batch_size, collate_fn=collate_fn or default_data_collator, **(loader_kwargs or {}))
+    for batch in loader:
+        probs.append(_logits(forward_batch(model, batch, device)).float().softmax(-1).cpu())
+        labels.append(batch["labels"])
+    model.train(was_training)
+    return torch.cat(probs), torch.cat(labels)
+
+
+class ClassificationAccuracy:
+    """Top-1 accuracy in % as a metric for the SMS loop: ``metric(model, dataset) -> float``.
+
+    It also defines ``predict(model, dataset)`` (softmax probabilities) and ``score(probs, dataset)``, which
+    the loop uses for the prediction-ensemble diagnostic (docs/method.md §8); any metric object with those two
+    methods gets the ensemble row.
+    """
+
+    name = "top-1 accuracy"
+
+    def __init__(self, batch_size: int = 256, collate_fn=None, loader_kwargs: dict | None = None):
+        self.batch_size, self.collate_fn, self.loader_kwargs = batch_size, collate_fn, dict(loader_kwargs or {})
+
+    def predict(self, model: nn.Module, dataset) -> torch.Tensor:
+        return predict_proba(model, dataset, self.batch_size, self.collate_fn, self.loader_kwargs)[0]
+
+    def score(self, probs: torch.Tensor, dataset) -> float:
+        loader = DataLoader(dataset, self.batch_size, collate_fn=self._collate, **self.loader_kwargs)
+        labels = torch.cat([b["labels"] for b in loader])
+        return 100.0 * float((probs.argmax(-1) == labels).float().mean())
+
+    def __call__(self, model: nn.Module, dataset) -> float:
+        probs, labels = predict_proba(model, dataset, self.batch_size, self.collate_fn, self.loader_kwargs)
+        return 100.0 * float((probs.argmax(-1) == labels).float().mean())
+
+    @property
+    def _collate(self):
+        return self.collate_fn or default_data_collator
+
+
+class BleuMetric:
+    """Corpus BLEU (sacrebleu) of greedy or beam-search generations against ``labels`` (seq2seq models)."""
+
+    name = "BLEU"
+
+    def __init__(self, tokenizer, max_new_tokens: int = 128, num_beams: int = 1, batch_size: int = 64, collate_fn=None):
+        self.tokenizer, self.max_new_tokens, self.num_beams = tokenizer, max_new_tokens, num_beams
+        self.batch_size, self.collate_fn = batch_size, collate_fn or default_data_collator
+        self.loader_kwargs: dict = {}
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, dataset) -> float:
+        import sacrebleu
+
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        hyps, refs = [], []
+        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn):
+            out = model.generate(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+                max_new_tokens=self.max_new_tokens,
+                num_beams=self.num_beams,
+            )
+            labels = batch["labels"].masked_fill(batch["labels"] == -100, self.tokenizer.pad_token_id)
+            hyps += self.tokenizer.batch_decode(out, skip_special_tokens=True)
+            refs += self.tokenizer.batch_decode(labels, skip_special_tokens=True)
+        model.train(was_training)
+        return float(sacrebleu.corpus_bleu([h.strip() for h in hyps], [[r.strip() for r in refs]]).score)
+
+
+class MeanIoU:
+    """Mean intersection over union in % for segmentation logits ``(N, C, H, W)`` vs ``labels`` ``(N, H, W)``.
+
+    Pixels labelled ``ignore_index`` are skipped; classes absent from both prediction and labels are
+    left out of the mean.
+    """
+
+    name = "mIoU"
+
+    def __init__(self, num_classes: int, batch_size: int = 16, ignore_index: int = -100, collate_fn=None):
+        self.num_classes, self.batch_size, self.ignore_index = num_classes, batch_size, ignore_index
+        self.collate_fn = collate_fn or default_data_collator
+        self.loader_kwargs: dict = {}
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, dataset) -> float:
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.long)
+        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn, **self.loader_kwargs):
+            pred = _logits(forward_batch(model, batch, device)).argmax(1).cpu()
+            labels = batch["labels"]
+            keep = labels != self.ignore_index
+            idx = labels[keep] * self.num_classes + pred[keep]
+            confusion += torch.bincount(idx, minlength=self.num_classes**2).view(self.num_classes, -1)
+        model.train(was_training)
+        inter = confusion.diag().double()
+        union = confusion.sum(0).double() + confusion.sum(1).double() - inter
+        present = union > 0
+        return 100.0 * float((inter[present] / union[present]).mean()) if present.any() else 0.0
+
+
+class EvaluateMetric:
+    """An ``evaluate`` module (``evaluate.load("accuracy")``, or a local metric script offline) as a metric of the
+    loop: predictions are the argmax of the model's logits over the last dimension (class scores) or dimension 1
+    (segmentation maps), references the data's ``labels``, and the value is ``module.compute(...)[key]``.
+    ``SparseModelSoup`` wraps an ``evaluate`` module passed as a metric in this itself.
+
+    Args:
+        module: the ``evaluate`` module.
+        key: which entry of ``compute``'s dict (default: the module's name, else the only entry).
+        batch_size, collate_fn, loader_kwargs: how the data is read.
+    """
+
+    def __init__(self, module, key: str | None = None, batch_size: int = 256, collate_fn=None, loader_kwargs=None):
+        self.module, self.key = module, key
+        self.batch_size, self.collate_fn, self.loader_kwargs = batch_size, collate_fn, dict(loader_kwargs or {})
+        self.name = getattr(module, "name", None) or type(module).__name__
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, dataset) -> float:
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        loader = DataLoader(
+            dataset, self.batch_size, collate_fn=self.collate_fn or default_data_collator, **self.loader_kwargs
+        )
+        predictions, references = [], []
+        for batch in loader:
+            logits = _logits(forward_batch(model, batch, device))
+            predictions.append(logits.argmax(1 if logits.dim() > 2 else -1).cpu().reshape(-1))
+            references.append(batch["labels"].reshape(-1))
+        model.train(was_training)
+        result = self.module.compute(
+            predictions=torch.cat(predictions).tolist(), references=torch.cat(references).tolist()
+        )
+        key = self.key or (self.name if self.name in result else next(iter(result)))
+        return float(result[key])
+
+
+def as_metric(metric):
+    """``metric`` as the loop calls metrics: an ``evaluate`` module is wrapped in :class:`EvaluateMetric`."""
+    # an evaluate.EvaluationModule by its interface (importing evaluate costs seconds that no other run needs)
+    if not callable(metric) and hasattr(metric, "compute") and hasattr(metric, "add_batch"):
+        return EvaluateMetric(metric)
+    return metric

@@ -1,0 +1,132 @@
+"""What a run records: one row per method and phase (sparsity, FLOP speedup, validation and every test set), the
+per-phase diversity diagnostics of SMS, the dense model, and the final soup's record for ``sparsity.json`` and the
+model card. It writes ``results.json`` (main process) after every phase, so an interrupted run keeps its rows."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from ..evaluation.diagnostics import diversity, log_diversity
+from ..evaluation.flops import theoretical_speedup
+from ..evaluation.named import measure, metric_name
+from ..hub import card_metrics
+from ..pruning.masks import sparsity_report
+from ..results import save_results
+
+logger = logging.getLogger("hf_sms")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _mean(values: list) -> float | None:
+    return None if None in values else sum(values) / len(values)
+
+
+class Recorder:
+    """The rows of a run.
+
+    Args:
+        results: the run's results dict (``phases``, ``rows``, ``sms``; filled here).
+        world: the :class:`~hf_sms.loop.distributed.ReplicaWorld` (who writes, how scores are gathered).
+        tests: named test sets ``{name: (dataset, metric)}``.
+        metric_fn, eval_dataset, test_dataset: the selection metric, validation data and the test set scored with
+            the selection metric (for the prediction ensemble).
+        example: ``fn() -> one batch``, for the FLOP count.
+        path: where ``results.json`` goes.
+    """
+
+    def __init__(self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path):
+        self.results, self.world, self.tests = results, world, tests
+        self.metric_fn, self.eval_dataset, self.test_dataset = metric_fn, eval_dataset, test_dataset
+        self.example, self.path = example, path
+
+    def evaluate(self, model: nn.Module, dataset) -> float | None:
+        return None if dataset is None else float(self.metric_fn(model, dataset))
+
+    def measure(self, model: nn.Module) -> dict:
+        """Sparsity, FLOP speedup, validation and every test set of ``model``."""
+        return {
+            "sparsity": sparsity_report(model)["sparsity"],
+            "speedup": theoretical_speedup(model, self.example()),
+            "val": self.evaluate(model, self.eval_dataset),
+            **self.test_scores(model),
+        }
+
+    def test_scores(self, model: nn.Module) -> dict:
+        """``test`` (the first test set), ``tests`` (every named one) and, where a metric gives them, ``details``."""
+        measured = {name: measure(metric, model, dataset) for name, (dataset, metric) in self.tests.items()}
+        out = {"test": next(iter(measured.values()))[0] if measured else None}
+        out["tests"] = {name: value for name, (value, _) in measured.items()}
+        details = {name: d for name, (_, d) in measured.items() if d is not None}
+        return {**out, "details": details} if details else out
+
+    def row(self, method: str, phase: int, measured: dict, **extra) -> None:
+        """Add ``method``'s row for ``phase`` (0-based)."""
+        row = {"phase": phase + 1, **measured, **extra}
+        self.results["rows"].setdefault(method, []).append(row)
+        if self.world.is_main:
+            logger.info(
+                "[hf-sms] phase %d %s: sparsity %.4f val %s test %s",
+                phase + 1,
+                method,
+                row["sparsity"],
+                _fmt(row["val"]),
+                _fmt(row["test"]),
+            )
+
+    def sms(self, method: str, p: int, sparsity: float, result, primary: bool = True) -> None:
+        """The rows of an SMS phase (soup; best and mean candidate of the reported trajectory) and its
+        diagnostics (candidates' scores, pairwise distances, disagreement, ensemble)."""
+        cands, val, soup = result.candidates, result.val, result.soup
+        scores = self.world.gather({i: self.test_scores(c)["tests"] for i, c in cands.items()})
+        tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
+        test = next(iter(tests.values()), [None] * len(val))
+        self.row(f"sms_{method}", p, self.measure(soup), kept=result.kept)
+        if primary:  # the candidates of the trajectory reported as the final soup
+            best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
+            same = {k: self.results["rows"][f"sms_{method}"][-1][k] for k in ("sparsity", "speedup")}  # same mask
+            picked = {"val": val[best], "test": test[best], "tests": {n: v[best] for n, v in tests.items()}}
+            self.row("best_candidate", p, {**same, **picked}, index=best)
+            mean = {"val": _mean(val), "test": _mean(test), "tests": {n: _mean(v) for n, v in tests.items()}}
+            self.row("mean_candidate", p, {**same, **mean})
+        numel = sum(t.numel() for t in soup.parameters())
+        diag = {
+            "phase": p + 1,
+            "trajectory": method,
+            "target_sparsity": sparsity,
+            "candidates_val": val,
+            "candidates_test": test,
+            "pairwise_l2": self.world.pairwise_l2(cands, len(val), numel),
+            **diversity(self.metric_fn, self.world, cands, val, self.eval_dataset, self.test_dataset),
+            "seconds": round(result.seconds, 3),
+        }
+        self.results["sms"].append(diag)
+        if self.world.is_main and primary:
+            log_diversity(diag)
+        self.save()
+
+    def final_metrics(self, merge_method: str, pruning_method: str) -> dict:
+        """What the final soup's ``sparsity.json`` and model card report: every evaluation of the soup beside the
+        dense model, each with its metric's name and split (see :func:`hf_sms.hub.card_metrics`), the FLOP
+        speedup and the measured one."""
+        rows = self.results["rows"]
+        row = rows.get(f"sms_{merge_method}", rows.get(pruning_method, [{}]))[-1]
+        results = []
+        for model, measured in (("soup", row), ("dense", self.results.get("dense", {}))):
+            evaluations = [("validation", measured.get("val"), self.metric_fn)]
+            evaluations += [(name, measured.get("tests", {}).get(name), m) for name, (_, m) in self.tests.items()]
+            results += [
+                {"model": model, "split": split, "metric": metric_name(metric), "value": value}
+                for split, value, metric in evaluations
+                if value is not None
+            ]
+        measured = self.results.get("measured_speedup")
+        return card_metrics(results=results, speedup=row.get("speedup"), measured=measured)
+
+    def save(self) -> None:
+        if self.world.is_main:
+            save_results(self.results, self.path)

@@ -1,0 +1,91 @@
+"""What the pruning-during-training methods share: the budget in steps, the config of one run inside a method,
+and the checks every such method makes of a run's config before any work.
+
+A method is ``fn(ctx) -> final model`` in :data:`hf_sms.registry.PRUNING_METHODS`; ``ctx`` is the running
+:class:`hf_sms.loop.sms.SparseModelSoup`, used through the small surface of :class:`MethodContext`.
+``num_train_epochs`` is then the whole training budget E from the given (typically freshly initialised) model,
+following the original LR schedule (``lr_scheduler_type``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+from torch import nn
+
+from ..pruning.masks import PruningStep
+
+
+class MethodContext(Protocol):
+    """What a pruning method or baseline uses of the loop: the run's inputs, one phase step, one-run training,
+    recalibration and recording. (:class:`hf_sms.loop.sms.SparseModelSoup` provides it.)"""
+
+    args: object  # the run's SparseSoupConfig
+    world: object  # the ReplicaWorld: who trains what, gathers
+    results: dict  # phases, rows, sms diagnostics
+    recorder: object  # the Recorder: measure(model), row(method, phase, measured), sms(method, p, sparsity, result)
+    run_dir: object  # the RunDirectory: path(name)
+    pretrained: nn.Module
+    train_dataset: object
+    eval_dataset: object
+    example: object  # one validation batch
+
+    def run_phase(self, spec) -> object: ...  # a PhaseSpec -> PhaseResult (hf_sms.phase)
+
+    def train_single(self, start: nn.Module, args, name: str, callbacks=(), total_steps=None, **trainer_kwargs): ...
+
+    def recalibrate(self, model: nn.Module) -> nn.Module: ...
+
+    def nested(self, args, model: nn.Module): ...  # a loop with other settings (BIMP's cycles)
+
+
+def total_steps(ctx: MethodContext) -> int:
+    """Optimizer steps in the budget: ``max_steps``, else ``num_train_epochs`` of this replica's shard."""
+    a = ctx.args
+    if a.max_steps > 0:
+        return a.max_steps
+    batches = math.ceil(len(ctx.train_dataset) / (a.per_device_train_batch_size * ctx.world.group_size))
+    return round(a.num_train_epochs * math.ceil(batches / a.gradient_accumulation_steps))
+
+
+def single(args, **fields):
+    """The config of one run inside a method: the original LR schedule, no nested method or SMS fields."""
+    fixed = {"pruning_method": "imp", "sms_start_epoch": None, "lr_schedule": "original", "retrain_schedule": "llr"}
+    return dataclasses.replace(args, **fixed, **fields)
+
+
+def sms_start_step(ctx: MethodContext, total: int) -> int:
+    a = ctx.args
+    return 0 if not a.sms_start_epoch else round(a.sms_start_epoch / a.num_train_epochs * total)
+
+
+def empty_step() -> PruningStep:
+    """No pruning: the dense start of a run that prunes during training."""
+    return PruningStep({}, 0.0, 0.0)
+
+
+def check_during_training(config) -> None:
+    """What every pruning-during-training method needs of a config (before any work)."""
+    name = config.pruning_method
+    if config.baselines:
+        raise ValueError(
+            f"baselines compare against IMP; for pruning_method={name!r} run num_replicas=1 for the plain method "
+            "beside the +SMS run instead"
+        )
+    budget = config.num_train_epochs if config.max_steps <= 0 else None
+    if config.sms_start_epoch is not None and (
+        config.sms_start_epoch < 0 or (budget is not None and config.sms_start_epoch >= budget)
+    ):
+        raise ValueError(
+            f"sms_start_epoch={config.sms_start_epoch} must lie in [0, num_train_epochs={config.num_train_epochs}); "
+            "copies that start after the end never train"
+        )
+
+
+def check_pruning_steps(config) -> None:
+    """GMP's and DPF's schedule: ``pruning_steps`` pruning iterations."""
+    check_during_training(config)
+    if not isinstance(config.pruning_steps, int) or isinstance(config.pruning_steps, bool) or config.pruning_steps < 1:
+        raise ValueError(f"pruning_steps must be an integer >= 1, got {config.pruning_steps!r}")

@@ -1,0 +1,75 @@
+"""One phase step, for every trajectory: prune, retrain the replicas this process owns, score them on validation,
+soup them, recalibrate (Algorithm 1's body; docs/method.md §1).
+
+SMS, the pruning-during-training methods with SMS (GMP, DPF, BIMP) and the IMP baselines all describe a phase as
+a :class:`PhaseSpec` and run it with :meth:`hf_sms.loop.sms.SparseModelSoup.run_phase`, which returns a
+:class:`PhaseResult`. They differ only in what the spec says: one start and one broadcast mask for all replicas
+(SMS), or one start and mask per replica (independent IMP tracks); which soup (a name in
+:data:`hf_sms.registry.SOUPS`), or none; and per-replica trainer arguments (GMP's step window, DPF's masking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .pruning.masks import PruningStep
+from .pruning.prunable import Masks
+
+
+@dataclass
+class PhaseSpec:
+    """What one phase does.
+
+    Attributes:
+        index: the phase p (0-based).
+        sparsity: the phase's target sparsity s_p.
+        start: the model every replica starts from (pruned once, mask broadcast from rank 0), or ``{i: model}``
+            per replica, each pruned on its own (independent tracks: no broadcast).
+        masks: the previous phase's masks (``{i: masks}`` with per-replica starts); masks only grow.
+        hparams: one config per replica (m = ``len(hparams)``).
+        folder: replica i is saved to ``folder(i)``, a path inside the run folder.
+        soup: the soup method (a name in ``SOUPS``), or ``None``: no soup, the candidates are the result.
+        prune: prune at the start of the phase (``False``: train under the given masks only).
+        allocation: how the phase's sparsity is spread (default: the run's).
+        trainer_kwargs: ``fn(i) -> dict`` of extra :class:`~hf_sms.SparseSoupTrainer` arguments for replica i
+            (callbacks, ``masking``, ``lr_schedule``, ``step_offset``, ``total_steps``).
+    """
+
+    index: int
+    sparsity: float
+    start: nn.Module | dict[int, nn.Module]
+    masks: Masks | dict[int, Masks] | None
+    hparams: list
+    folder: Callable[[int], str]
+    soup: str | None = "uniform"
+    prune: bool = True
+    allocation: str | None = None
+    trainer_kwargs: Callable[[int], dict] = field(default=lambda i: {})
+
+    @property
+    def shared(self) -> bool:
+        """One start and one mask for all replicas (SMS), vs one per replica (IMP tracks)."""
+        return not isinstance(self.start, dict)
+
+
+@dataclass
+class PhaseResult:
+    """What a phase gave: the soup (``None`` without one), this process's candidates, every candidate's
+    validation score, the candidates the soup kept, the pruning step(s) (``{i: step}`` per replica) and the
+    phase's wall-clock seconds."""
+
+    soup: nn.Module | None
+    candidates: dict[int, nn.Module]
+    val: list[float | None]
+    kept: list[int]
+    step: PruningStep | dict[int, PruningStep]
+    seconds: float = 0.0
+
+    @property
+    def masks(self):
+        if isinstance(self.step, dict):
+            return {i: s.masks for i, s in self.step.items()}
+        return self.step.masks

@@ -1,0 +1,196 @@
+"""Making a soup: one function for every soup method, in memory or across processes (docs/method.md §4).
+
+:func:`soup` runs a registered :class:`~hf_sms.soup.method.SoupMethod` on candidates wherever they live: the SMS
+loop passes its :class:`~hf_sms.loop.distributed.ReplicaWorld`, the in-memory helpers :func:`uniform_soup` and
+:func:`greedy_soup` a :class:`LocalWorld`. The weighted mean goes through :mod:`hf_sms.soup.averaging` (float64
+sums, integer buffers from the first kept input), so inputs that share a mask give a soup with that mask, bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..pruning.masks import apply_masks, compute_masks, masks_from_model
+from ..pruning.prunable import Masks
+from ..registry import SOUPS
+from .averaging import average_tensors
+from .method import SoupMethod, indicator_weights
+
+StateDict = dict[str, torch.Tensor]
+
+
+class LocalWorld:
+    """Every candidate in this process: the world of one, for soups made in memory."""
+
+    size = 1
+
+    def average(self, local: dict[int, StateDict], weights: Sequence[float], template: StateDict) -> StateDict:
+        used = [i for i, w in enumerate(weights) if w]
+        return {k: average_tensors([local[i][k] for i in used], [weights[i] for i in used]) for k in template}
+
+    def all_candidates(self, local: dict[int, StateDict], n: int, template: StateDict) -> dict[int, StateDict]:
+        return dict(local)
+
+    def broadcast_masks(self, masks: Masks) -> Masks:
+        return masks
+
+
+@torch.no_grad()
+def average_state_dicts(state_dicts: Sequence[StateDict], weights: Sequence[float] | None = None) -> StateDict:
+    """Weighted mean of state dicts (uniform if ``weights`` is None); accumulates in float64."""
+    if not state_dicts:
+        raise ValueError("nothing to average: pass at least one model")
+    keys = list(state_dicts[0])
+    for i, sd in enumerate(state_dicts[1:], 1):
+        if list(sd) != keys:
+            missing = sorted(set(keys) ^ set(sd))[:5]
+            raise ValueError(f"input {i} has different tensors than input 0 (e.g. {missing}): architectures differ")
+    for k in keys:
+        if any(sd[k].shape != state_dicts[0][k].shape for sd in state_dicts):
+            raise ValueError(f"tensor {k!r} has different shapes across inputs: architectures differ")
+    return {k: average_tensors([sd[k] for sd in state_dicts], weights) for k in keys}
+
+
+def check_same_masks(models: Sequence[nn.Module]) -> Masks:
+    """The shared mask of ``models``; raises if any prunable tensor's zero pattern differs."""
+    ref = masks_from_model(models[0])
+    for i, model in enumerate(models[1:], 1):
+        other = masks_from_model(model)
+        for name, mask in ref.items():
+            differ = int((mask != other[name]).sum())
+            if differ:
+                raise ValueError(
+                    f"model {i} and model 0 have different masks ({differ} entries of {name!r} differ), so their "
+                    "average would not be sparse. Merge only replicas retrained from the same pruned model, or "
+                    "use the 'reprune' soup (IMP-RePrune: average, then prune to a sparsity)."
+                )
+    return ref
+
+
+def _combined(method: SoupMethod, world, local, weights, template: StateDict) -> StateDict:
+    if method.combine is None:
+        return world.average(local, weights, template)
+    every = world.all_candidates(local, len(weights), template)
+    used = [i for i, w in enumerate(weights) if w]
+    return {
+        k: method.combine([every[i][k] for i in used], [weights[i] for i in used])
+        if template[k].is_floating_point()
+        else every[used[0]][k].clone()
+        for k in template
+    }
+
+
+def soup(
+    candidates: Mapping[int, nn.Module] | Sequence[nn.Module],
+    method: str | SoupMethod = "uniform",
+    *,
+    template: nn.Module | None = None,
+    world=None,
+    scores: Sequence[float | None] | None = None,
+    evaluate: Callable[[nn.Module], float] | None = None,
+    recalibrate: Callable[[nn.Module], nn.Module] | None = None,
+    config=None,
+    sparsity: float | None = None,
+    allocation: str = "global",
+    example_inputs=None,
+) -> tuple[nn.Module, list[float]]:
+    """The soup of ``candidates`` by a soup method, recalibrated; returns ``(soup, one weight per candidate)``.
+
+    Args:
+        candidates: the models, or ``{replica index: model}`` of this process's share (with ``world``).
+        method: a name in :data:`~hf_sms.registry.SOUPS` or a :class:`SoupMethod`.
+        template: a model of the architecture (default: a candidate; needed by a process that holds none).
+        world: where the candidates live (:class:`LocalWorld` by default; the loop's ``ReplicaWorld``).
+        scores: every candidate's validation score, if known (else computed with ``evaluate``, or 0).
+        evaluate: validation metric of a model, higher is better (methods that trial soups need it; never test
+            data).
+        recalibrate: called on every trial soup and the result (BatchNorm statistics).
+        config: passed to the method's ``select`` (e.g. ``greedy_keep_ties``).
+        sparsity, allocation, example_inputs: where a method re-prunes (``same_mask=False``), to what.
+    """
+    spec = SOUPS.get(method) if isinstance(method, str) else method
+    local = dict(candidates) if isinstance(candidates, Mapping) else dict(enumerate(candidates))
+    world = world if world is not None else LocalWorld()
+    template = template if template is not None else next(iter(local.values()), None)
+    if template is None:
+        raise ValueError("nothing to soup: pass candidates, or a template in a process that holds none")
+    if spec.same_mask and len(local) > 1:
+        check_same_masks(list(local.values()))
+    if not spec.same_mask and sparsity is None:
+        raise ValueError("this soup re-prunes the mean of candidates with different masks: pass sparsity=")
+    state = {i: m.state_dict() for i, m in local.items()}
+    reference = template.state_dict()
+
+    def build(weights: list[float]) -> nn.Module:
+        model = copy.deepcopy(template)
+        model.load_state_dict(_combined(spec, world, state, weights, reference))
+        if not spec.same_mask:
+            masks = compute_masks(model, sparsity, allocation, example_inputs=example_inputs)
+            apply_masks(model, world.broadcast_masks(masks))
+        return recalibrate(model) if recalibrate is not None else model
+
+    def trial(weights: list[float]) -> float:
+        if evaluate is None:
+            raise ValueError("this soup method evaluates trial soups: pass evaluate=<validation metric>")
+        return float(evaluate(build(weights)))
+
+    n = len(scores) if scores is not None else len(local)
+    if scores is None:
+        scores = [trial(indicator_weights([i], n)) for i in range(n)] if evaluate else [0.0] * n
+    weights = spec.select(list(scores), trial, config)
+    return build(weights), weights
+
+
+def uniform_soup(models: Sequence[nn.Module], reprune_sparsity: float | None = None, allocation: str = "global"):
+    """UniformSoup: the elementwise mean of ``models`` (lambda_i = 1/m).
+
+    Args:
+        models: replicas retrained under the same mask.
+        reprune_sparsity: IMP-RePrune: allow differing masks, average, then magnitude-prune the mean to
+            this sparsity with ``allocation`` (the ``"reprune"`` soup).
+
+    Returns:
+        A new model; BatchNorm statistics are the mean ones, recalibrate before evaluating.
+    """
+    method = "uniform" if reprune_sparsity is None else "reprune"
+    return soup(models, method, sparsity=reprune_sparsity, allocation=allocation)[0]
+
+
+def greedy_soup(
+    models: Sequence[nn.Module],
+    evaluate: Callable[[nn.Module], float],
+    recalibrate: Callable[[nn.Module], object] | None = None,
+    scores: Sequence[float] | None = None,
+    keep_ties: bool = False,
+) -> nn.Module:
+    """GreedySoup: add candidates best-first while the validation metric improves (docs/method.md §4).
+
+    Args:
+        models: replicas retrained under the same mask.
+        evaluate: validation metric of a model, higher is better. Never pass test data.
+        recalibrate: called on every trial soup (and candidate) before ``evaluate`` (BatchNorm).
+        scores: the candidates' validation metrics if already known (else computed with ``evaluate``).
+        keep_ties: keep a candidate whose trial soup ties the current metric.
+
+    Returns:
+        The soup, with ``soup.greedy_info = {"order", "kept", "scores", "metric"}`` attached.
+    """
+
+    def recal(model):
+        if recalibrate is not None:
+            recalibrate(model)
+        return model
+
+    if scores is None:
+        scores = [float(evaluate(recal(copy.deepcopy(m)))) for m in models]
+    config = type("GreedyConfig", (), {"greedy_keep_ties": keep_ties})()
+    result, weights = soup(models, "greedy", scores=scores, evaluate=evaluate, recalibrate=recal, config=config)
+    order = sorted(range(len(models)), key=lambda i: -scores[i])
+    kept = [i for i in order if weights[i]]
+    result.greedy_info = {"order": order, "kept": kept, "scores": list(scores), "metric": float(evaluate(result))}
+    return result

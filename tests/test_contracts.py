@@ -1,0 +1,113 @@
+"""Contract tests over every registry entry (peft's test-matrix style): a new soup, pruning method, baseline or
+model family gets every generic test by being registered, so one that breaks a promise fails at once."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_cnn, make_resnet, make_t5, sms_config
+
+import hf_sms
+from hf_sms import apply_masks, compute_masks, load_sparse, run_sms, save_sparse
+from hf_sms.checkpoint import FAMILIES, merge_checkpoints
+from hf_sms.data import load_digits_splits
+from hf_sms.demo import DigitsResNet
+from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.pruning import masks_from_model
+from hf_sms.soup import soup, uniform_soup
+
+
+def _smp():
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(0)
+    return smp.PSPNet(encoder_name="resnet18", encoder_weights=None, encoder_depth=3, classes=2, psp_out_channels=16)
+
+
+FAMILY_MODELS = {"transformers": make_t5, "timm": make_resnet, "segmentation_models_pytorch": _smp, "torch": make_cnn}
+
+
+@pytest.fixture(scope="module")
+def digits():
+    train, val, test = load_digits_splits(seed=0)
+    return train, val, test
+
+
+def _replicas(make, m=3, sparsity=0.7):
+    base = make()
+    masks = compute_masks(base, sparsity, "uniform")
+    apply_masks(base, masks)
+    out = []
+    for i in range(m):
+        r = copy.deepcopy(base)
+        torch.manual_seed(i)
+        with torch.no_grad():
+            for p in r.parameters():
+                p.add_(torch.randn_like(p) * 0.05 * (i + 1))
+        out.append(apply_masks(r, masks))
+    return out, masks
+
+
+# -- soups ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", hf_sms.SOUPS.names())
+def test_every_soup_keeps_the_mask_and_its_promises(name):
+    method = hf_sms.SOUPS.get(name)
+    replicas, masks = _replicas(make_cnn)
+    x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    target = replicas[0](x).detach()
+
+    def evaluate(model):  # higher is better: closeness to replica 0's outputs
+        return -float((model(x) - target).pow(2).mean())
+
+    scores = [evaluate(r) for r in replicas]
+    result, weights = soup(replicas, name, scores=scores, evaluate=evaluate, sparsity=0.7, allocation="uniform")
+    assert len(weights) == len(replicas) and any(weights)
+    got = masks_from_model(result)
+    if method.same_mask:  # a pruned weight is exactly zero in the soup
+        assert all(not (got[n] & ~m).any() for n, m in masks.items()), name
+    else:  # re-pruned to the sparsity it was given
+        assert hf_sms.sparsity_report(result)["sparsity"] == pytest.approx(0.7, abs=0.02)
+    if hf_sms.SOUPS.meta(name).get("never_worse"):
+        assert evaluate(result) >= max(scores) - 1e-12, name
+
+
+# -- model families -----------------------------------------------------------------------------------------------
+def test_every_family_has_a_contract_model():
+    assert set(FAMILIES) <= set(FAMILY_MODELS), "give a new family a tiny model in FAMILY_MODELS"
+
+
+@pytest.mark.parametrize("library", sorted(FAMILY_MODELS))
+def test_every_family_round_trips_and_merges(tmp_path, library):
+    make = FAMILY_MODELS[library]
+    replicas, _ = _replicas(make, m=2)
+    folders = [save_sparse(r, str(tmp_path / f"r{i}")) for i, r in enumerate(replicas)]
+    template = make() if library == "torch" else None
+    loaded = load_sparse(folders[0], template)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), replicas[0].state_dict().values()))
+    merge_checkpoints(folders, str(tmp_path / "soup"))
+    merged = load_sparse(str(tmp_path / "soup"), make() if library == "torch" else None)
+    expected = uniform_soup(replicas).state_dict()
+    assert all(torch.equal(merged.state_dict()[k], v) for k, v in expected.items())
+
+
+# -- pruning methods and baselines: a tiny end-to-end run each ---------------------------------------------------
+@pytest.mark.parametrize("name", hf_sms.PRUNING_METHODS.names())
+def test_every_pruning_method_runs_end_to_end(tmp_path, digits, name):
+    train, val, test = digits
+    tiny = hf_sms.PRUNING_METHODS.meta(name).get("tiny")
+    assert tiny is not None, f"register {name!r} with tiny={{...}}: settings for a seconds-long run"
+    args = sms_config(tmp_path, pruning_method=name, num_replicas=2, measure_speedup=False, **tiny)
+    soup_model, results = run_sms(DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val)
+    assert results["rows"] and (tmp_path / "run" / "final_soup" / "sparsity.json").is_file()
+    assert hf_sms.sparsity_report(soup_model)["sparsity"] == pytest.approx(args.target_sparsity, abs=0.02)
+
+
+@pytest.mark.parametrize("name", hf_sms.BASELINES.names())
+def test_every_baseline_runs_end_to_end(tmp_path, digits, name):
+    train, val, test = digits
+    args = sms_config(tmp_path, n_phases=2, max_steps=2, baselines=[name], measure_speedup=False)
+    _, results = run_sms(DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val)
+    row_name = "imp_reprune" if name == "imp_reprune" else name
+    assert [r["phase"] for r in results["rows"][row_name]] == [1, 2]

@@ -1,0 +1,93 @@
+"""The structure of the package: no import circle (imports inside functions and under TYPE_CHECKING included), no
+import of hf-sms's own modules placed inside a function, modules of a readable size, and every registry table
+serves lookups with one error message."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parent.parent / "hf_sms"
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _edges(module: str, path: Path) -> list[tuple[str, ast.AST]]:
+    """``(imported hf_sms module, import node)`` of every import in the file, wherever it stands."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node) for a in node.names if a.name.startswith("hf_sms")]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, path, node)
+            if not target.startswith("hf_sms"):
+                continue
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{target}.{alias.name}"
+                out.append((sub if sub in MODULES else target, node))
+    return [(t, n) for t, n in out if t in MODULES and t != module]
+
+
+def test_no_import_circle():
+    graph = {m: {t for t, _ in _edges(m, p) if t != "hf_sms"} for m, p in MODULES.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                pytest.fail("import circle: " + " -> ".join(stack[stack.index(t) :] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_own_modules_are_imported_at_the_top_of_each_file():
+    misplaced = []
+    for module, path in MODULES.items():
+        top = {(n.lineno, n.col_offset) for n in ast.parse(path.read_text()).body}
+        edges = _edges(module, path)
+        misplaced += sorted({f"{module}:{n.lineno}" for _, n in edges if (n.lineno, n.col_offset) not in top})
+    assert not misplaced, f"hf_sms imports inside functions or TYPE_CHECKING blocks: {misplaced}"
+
+
+def test_modules_stay_readable():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_every_table_is_a_registry_with_one_error_message():
+    import hf_sms
+    from hf_sms.checkpoint.families import FAMILIES
+    from hf_sms.registry import PRETRAIN_SHAPES, Registry
+
+    tables = [hf_sms.ALLOCATIONS, hf_sms.RETRAIN_SCHEDULES, PRETRAIN_SHAPES, hf_sms.SOUPS]
+    tables += [hf_sms.PRUNING_METHODS, hf_sms.BASELINES, FAMILIES]
+    for table in tables:
+        assert isinstance(table, Registry) and len(table) > 0
+        with pytest.raises(ValueError, match=rf"unknown {table.kind} 'nope'; choose one of \['"):
+            table.get("nope")
