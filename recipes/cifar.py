@@ -27,6 +27,7 @@ from torch import nn
 
 from hf_sms import SparseModelSoup, SparseSoupConfig, load_sparse
 from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.evaluation.subgroups import binary_attribute
 from hf_sms.scripts import (
     DataArguments,
     OODArguments,
@@ -38,7 +39,6 @@ from hf_sms.scripts import (
     stack_collate,
 )
 from hf_sms.smoke import smoke_classification
-from hf_sms.evaluation.subgroups import binary_attribute
 
 DATA_DEFAULTS = dict(dataset_name="uoft-cs/cifar10", test_split="test")
 

@@ -10,10 +10,8 @@ from conftest import sms_config
 from hf_sms import run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
-from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.evaluation import MeanOverSets, named_tests
+from hf_sms.evaluation import ClassificationAccuracy, MeanOverSets, SubgroupRecall, named_tests
 from hf_sms.results import format_table, reported_tests
-from hf_sms.evaluation import SubgroupRecall
 
 
 def corrupted(test, kind: str, severity: int, seed: int = 0) -> TensorDictDataset:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_sms import apply_masks, compute_masks, greedy_soup, uniform_soup
-from hf_sms.soup import average_state_dicts, soup
 from hf_sms.pruning.masks import masks_from_model
+from hf_sms.soup import average_state_dicts, soup
 
 
 def _net(seed: int) -> nn.Module:

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_sms.pruning.allocations import ALLOCATIONS, erk_densities, lamp_scores, register_allocation
-from hf_sms.pruning.prunable import prunable_tensors
 from hf_sms.pruning.masks import (
     PruningStep,
     apply_masks,
@@ -24,6 +23,7 @@ from hf_sms.pruning.masks import (
     sparsity_report,
     validate_masks,
 )
+from hf_sms.pruning.prunable import prunable_tensors
 
 FAST = settings(max_examples=15, deadline=None)
 MODELS = {"cnn": make_cnn, "resnet": make_resnet, "t5": make_t5}

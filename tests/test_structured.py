@@ -14,10 +14,10 @@ from hf_sms import apply_masks, compute_masks, load_sparse, phase_sparsities, sa
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import theoretical_speedup
 from hf_sms.pruning.enforcement import MaskEnforcer
-from hf_sms.soup.soup import uniform_soup
-from hf_sms.pruning.prunable import prunable_tensors
 from hf_sms.pruning.masks import masks_from_model
+from hf_sms.pruning.prunable import prunable_tensors
 from hf_sms.pruning.structured import filter_sparsity, module_zero_filters, shrink_filters, zero_filters
+from hf_sms.soup.soup import uniform_soup
 
 
 def plain_net(conv_bias: bool = False, seed: int = 0) -> nn.Sequential:

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from transformers import TrainerCallback, TrainingArguments
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, compute_masks, prunable_tensors
-from hf_sms.pruning.masks import PruningStep, prune
-from hf_sms.seeding import derive_seed
 from hf_sms.checkpoint.constants import MASKS_NAME
 from hf_sms.checkpoint.masks import load_masks, save_masks
+from hf_sms.pruning.masks import PruningStep, prune
+from hf_sms.seeding import derive_seed
 
 MODELS = {"t5": make_t5, "resnet": make_resnet, "cnn": make_cnn}
 
@@ -247,7 +247,7 @@ def test_masks_for_another_model_are_explained(make_args, image_dataset):
         (dict(n_phases=0), "n_phases must be a positive integer"),
         (
             dict(allocation="random"),
-            r"allocation='random': unknown allocation 'random'; choose one of \['erk', 'filter_l1', 'filter_l2', 'global'",
+            r"allocation='random': unknown allocation 'random'; choose one of \['erk', 'filter_l1', 'filter_l2', 'glob",
         ),
         (
             dict(retrain_schedule="cosine"),

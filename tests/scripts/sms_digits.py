@@ -12,9 +12,7 @@ from safetensors.torch import save_file
 from hf_sms import SparseSoupConfig, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
-from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.evaluation import MeanOverSets
-from hf_sms.evaluation import SubgroupRecall
+from hf_sms.evaluation import ClassificationAccuracy, MeanOverSets, SubgroupRecall
 
 parser = argparse.ArgumentParser()
 parser.add_argument("output_dir")
