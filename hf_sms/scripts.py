@@ -21,6 +21,7 @@ from accelerate.utils import broadcast
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from .checkpoint import SPARSITY_NAME, load_sparse, save_sparse
+from .data import VALIDATION_SEED
 from .evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, load_cifar_c
 from .evaluation.named import MeanOverSets
 from .evaluation.subgroups import SubgroupRecall
@@ -225,9 +226,10 @@ def prepared_splits(raw, prepare, args, data: DataArguments) -> tuple:
     passed through ``prepare(dataset, training)``.
 
     Validation is ``raw[data.validation_split]`` when that split exists, else ``args.validation_fraction`` of
-    ``raw["train"]`` split off with ``args.seed`` (as ``SparseModelSoup`` does). The split happens on the raw
-    data so that validation, used to pick soups, gets the evaluation transform (``training=False``) and
-    not the random augmentation. Test (reported only) is None when ``raw`` has no ``data.test_split``.
+    ``raw["train"]`` split off with a fixed seed, whatever ``args.seed`` (as ``SparseModelSoup`` does). The split
+    happens on the raw data so that validation, used to pick soups, gets the evaluation transform
+    (``training=False``) and not the random augmentation. Test (reported only) is None when ``raw`` has no
+    ``data.test_split``.
     """
     if data.validation_split is not None and data.validation_split == data.test_split:
         raise ValueError(f"the {data.test_split!r} split is the test set; it cannot also be the validation set")
@@ -235,7 +237,7 @@ def prepared_splits(raw, prepare, args, data: DataArguments) -> tuple:
     if data.validation_split in raw:
         val = raw[data.validation_split]
     else:
-        split = train.train_test_split(test_size=args.validation_fraction, seed=args.seed)
+        split = train.train_test_split(test_size=args.validation_fraction, seed=VALIDATION_SEED)  # not the run's seed
         train, val = split["train"], split["test"]
     test = raw[data.test_split] if data.test_split in raw else None
 

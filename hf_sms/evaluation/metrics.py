@@ -90,7 +90,7 @@ class BleuMetric:
         model.eval()
         device = next(model.parameters()).device
         hyps, refs = [], []
-        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn):
+        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn, **self.loader_kwargs):
             out = model.generate(
                 input_ids=batch["input_ids"].to(device),
                 attention_mask=batch["attention_mask"].to(device),

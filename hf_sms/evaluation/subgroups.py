@@ -8,6 +8,7 @@ IMP, so the worst-group recall is the score: what selection maximises when fairn
 from __future__ import annotations
 
 import csv
+import warnings
 from collections.abc import Callable, Hashable, Mapping
 
 import torch
@@ -75,14 +76,26 @@ def subgroup_recall(
     per_group = {name(*k): 100.0 * sum(hits[k]) / len(hits[k]) for k in keys}
     if not per_group:
         raise ValueError("no examples to compute subgroup recall on")
+    # Every (group, class) pair of the groups and classes the data or the names know is a subgroup; one without
+    # test items has no recall, and the worst group may be exactly that one (the rarest group is the point).
+    all_groups = list(dict.fromkeys([g for g, _ in keys] + list(group_names)))
+    all_classes = list(dict.fromkeys([y for _, y in keys] + list(class_names)))
+    missing = [name(g, y) for g in all_groups for y in all_classes if (g, y) not in hits]
     worst = min(per_group, key=per_group.get)
+    if missing:
+        warnings.warn(
+            f"subgroups {missing} have no test items: the worst-group recall is over the others only and may "
+            "miss the worst group; add test items of every subgroup",
+            stacklevel=2,
+        )
     return {
         "value": per_group[worst],
         "worst_group_recall": per_group[worst],
-        "worst_group": worst,
+        "worst_group": worst if not missing else f"{worst} (of those with test items; missing: {', '.join(missing)})",
+        "missing": missing,
         "mean_recall": sum(per_group.values()) / len(per_group),
-        "per_group": per_group,
-        "counts": {name(*k): len(hits[k]) for k in keys},
+        "per_group": {**per_group, **dict.fromkeys(missing)},
+        "counts": {**{name(*k): len(hits[k]) for k in keys}, **dict.fromkeys(missing, 0)},
     }
 
 

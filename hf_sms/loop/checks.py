@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from transformers.trainer_utils import has_length
 
 from ..data import peek
+from ..pruning.prunable import prunable_tensors
+from ..registry import ALLOCATIONS
 
 
 def check_inputs(args, train_dataset, eval_dataset, metric_fn) -> None:
@@ -47,3 +49,13 @@ def check_hub_access(token: str | None) -> None:
             f"push_to_hub=True but the Hub does not accept these credentials ({type(e).__name__}); log in with "
             "`hf auth login` or pass --hub_token, or drop --push_to_hub (checked before training)"
         ) from None
+
+
+def check_model(args, model) -> None:
+    """Raise before any work where the allocation cannot prune ``model`` at all (filter pruning without convs)."""
+    kind = ALLOCATIONS.meta(args.allocation).get("prunes") if args.allocation in ALLOCATIONS else None
+    if kind and not any(t.kind == kind for t in prunable_tensors(model)):
+        raise ValueError(
+            f"allocation={args.allocation!r} prunes {kind} layers only and {type(model).__name__} has none: the run "
+            "would train at sparsity 0. Use an unstructured allocation, e.g. 'global'"
+        )

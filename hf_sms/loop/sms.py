@@ -30,7 +30,7 @@ from ..registry import BASELINES, PRUNING_METHODS
 from ..runtime.speed import describe_input, measure_speedup
 from ..soup.soup import soup
 from ..trainer import SparseSoupTrainer
-from .checks import check_inputs
+from .checks import check_inputs, check_model
 from .distributed import ReplicaWorld
 from .recorder import Recorder
 from .run_directory import RunDirectory, config_fingerprint, data_hash, model_hash
@@ -79,7 +79,7 @@ class SparseModelSoup:
         model_card: dict | None = None,
     ):
         if eval_dataset is None:
-            train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction, args.seed)
+            train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction)  # fixed seed
         metric_fn = as_metric(metric_fn)  # an evaluate module works as a metric too
         check_inputs(args, train_dataset, eval_dataset, metric_fn)
         self.args = args
@@ -107,6 +107,7 @@ class SparseModelSoup:
         self.results: dict = {"phases": phase_sparsities(args.target_sparsity, args.n_phases), "rows": {}, "sms": []}
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
+        check_model(args, model)
         splits = {"train": train_dataset, "eval": eval_dataset, **{f"test:{n}": d for n, (d, _) in self.tests.items()}}
         fingerprint = {
             "config": config_fingerprint(args),
@@ -276,6 +277,15 @@ class SparseModelSoup:
                     f"{folder} is not a readable checkpoint of this model ({e}); delete that folder to retrain the "
                     "replica, or use a fresh --output_dir"
                 ) from e
+            params = dict(model.named_parameters())
+            revived = [
+                n for n, m in step.masks.items() if bool((params[n].detach()[~m.to(params[n].device)] != 0).any())
+            ]
+            if revived:  # a checkpoint trained under another mask (copied in from elsewhere)
+                raise ValueError(
+                    f"{folder} holds weights where this phase's mask prunes them (e.g. {revived[:3]}): it was trained "
+                    "under another mask. Delete that folder to retrain the replica, or use a fresh --output_dir"
+                )
             return model.train()
         kept = sum(int(m.sum()) for m in step.masks.values()) / max(sum(m.numel() for m in step.masks.values()), 1)
         logger.info(

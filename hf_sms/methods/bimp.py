@@ -48,6 +48,13 @@ def _check(config) -> None:
             f"bimp needs 0 < bimp_pretrain_epochs < num_train_epochs={budget} (the paper: 60 or 75 of 100), "
             f"got {config.bimp_pretrain_epochs}"
         )
+    cycle = (budget - config.bimp_pretrain_epochs) / config.n_phases
+    last = config.bimp_pretrain_epochs + (config.n_phases - 1) * cycle  # where the last IMP cycle starts
+    if config.num_replicas > 1 and (config.sms_start_epoch or 0) > last:
+        raise ValueError(
+            f"sms_start_epoch={config.sms_start_epoch} comes after the start of BIMP's last cycle (epoch {last:g}): "
+            f"no cycle would train copies. Set sms_start_epoch <= {last:g}, or num_replicas=1 for plain BIMP"
+        )
 
 
 # its dense part is the original training ALLR and LRW scale to

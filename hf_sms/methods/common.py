@@ -69,6 +69,11 @@ def empty_step() -> PruningStep:
 def check_during_training(config) -> None:
     """What every pruning-during-training method needs of a config (before any work)."""
     name = config.pruning_method
+    if len(config.merge_methods) > 1:
+        raise ValueError(
+            f"pruning_method={name!r} runs one SMS trajectory, so it takes one soup method: "
+            f"merge_methods={config.merge_methods[:1]}, not {config.merge_methods}"
+        )
     if config.baselines:
         raise ValueError(
             f"baselines compare against IMP; for pruning_method={name!r} run num_replicas=1 for the plain method "
@@ -85,7 +90,21 @@ def check_during_training(config) -> None:
 
 
 def check_pruning_steps(config) -> None:
-    """GMP's and DPF's schedule: ``pruning_steps`` pruning iterations."""
+    """GMP's and DPF's schedule: ``pruning_steps`` pruning iterations, and SMS phases that exist."""
     check_during_training(config)
-    if not isinstance(config.pruning_steps, int) or isinstance(config.pruning_steps, bool) or config.pruning_steps < 1:
-        raise ValueError(f"pruning_steps must be an integer >= 1, got {config.pruning_steps!r}")
+    n = config.pruning_steps
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"pruning_steps must be an integer >= 1, got {n!r}")
+    # The last pruning step is at n / (n + 1) of the run (gmp.pruning_iterations): SMS phases start at pruning
+    # steps, so a later start would run no SMS at all.
+    if config.num_replicas > 1 and config.sms_start_epoch:
+        fraction = config.sms_start_epoch / config.num_train_epochs
+        if fraction > n / (n + 1):
+            last = n / (n + 1) * config.num_train_epochs
+            raise ValueError(
+                f"sms_start_epoch={config.sms_start_epoch} comes after the last of {n} pruning steps (at epoch "
+                f"{last:g} of num_train_epochs={config.num_train_epochs}"
+                + (", which max_steps rescales" if config.max_steps > 0 else "")
+                + "): no phase would train copies. Set sms_start_epoch <= "
+                f"{last:g}, or num_replicas=1 for the plain method"
+            )

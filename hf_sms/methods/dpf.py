@@ -86,6 +86,11 @@ def dpf(ctx):
 
 def _check(config) -> None:
     check_pruning_steps(config)
+    if config.num_replicas > 1 and config.merge_methods != ["uniform"]:
+        raise ValueError(
+            f"DPF's copies each move their own mask, so their soup is the uniform mean re-pruned to the phase's "
+            f"sparsity (the paper's); merge_methods={config.merge_methods} cannot apply: use ['uniform']"
+        )
     if not isinstance(config.dpf_interval, int) or config.dpf_interval < 1:
         raise ValueError(f"dpf_interval must be an integer >= 1 (iterations), got {config.dpf_interval!r}")
 

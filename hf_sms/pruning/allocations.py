@@ -151,7 +151,7 @@ def _filter_prune(tensors, weights, masks, sparsity, p: int) -> Masks:
     return out
 
 
-@register_allocation("filter_l2")
+@register_allocation("filter_l2", prunes="conv")  # `prunes`: the layers it can prune; checked before a run
 def filter_l2(tensors, weights, masks, sparsity):
     """Structured pruning (Li et al. 2017, docs/method.md §2): in every conv layer remove the same fraction of
     output filters, those of smallest L2 norm, each as a whole.
@@ -163,7 +163,7 @@ def filter_l2(tensors, weights, masks, sparsity):
     return _filter_prune(tensors, weights, masks, sparsity, p=2)
 
 
-@register_allocation("filter_l1")
+@register_allocation("filter_l1", prunes="conv")
 def filter_l1(tensors, weights, masks, sparsity):
     """As ``filter_l2`` but scoring filters by their L1 norm, Li et al. 2017's own criterion (their §3.1)."""
     return _filter_prune(tensors, weights, masks, sparsity, p=1)
