@@ -26,6 +26,7 @@ from .evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, 
 from .evaluation.named import MeanOverSets
 from .evaluation.subgroups import SubgroupRecall
 from .loop.distributed import launched_world_size
+from .loop.run_directory import lock_folder
 from .loop.sms import SparseModelSoup
 from .results import format_table, measured_line, reported_tests
 from .schedules import PRETRAIN_SHAPES
@@ -340,15 +341,21 @@ def pretrain(model: torch.nn.Module, args, train_dataset, folder: str, **trainer
         return load_sparse(folder, model).train()
     if not args.pretrain_epochs:
         raise ValueError("pretraining needs its length: set --pretrain_epochs (the paper: 200 for CIFAR)")
-    logger.info("[hf-sms] dense model: pretraining %s epochs into %s", args.pretrain_epochs, folder)
-    trainer = _Pretrainer(model, pre, masks={}, train_dataset=train_dataset, **trainer_kwargs)
-    trainer.train()
-    if n > 1:  # DDP syncs buffers before each forward, so the last step left BatchNorm statistics per process
-        for buffer in model.buffers():
-            buffer.copy_(broadcast(buffer.to(trainer.accelerator.device), from_process=0))
-    if trainer.is_world_process_zero():
-        save_sparse(model, folder, recipe=settings)
-    trainer.accelerator.wait_for_everyone()
+    # Before any work: a second job pretraining into the same folder stops at once with a clear message.
+    lock = lock_folder(folder, "pretraining", "--dense_dir") if int(os.environ.get("RANK", 0)) == 0 else None
+    try:
+        logger.info("[hf-sms] dense model: pretraining %s epochs into %s", args.pretrain_epochs, folder)
+        trainer = _Pretrainer(model, pre, masks={}, train_dataset=train_dataset, **trainer_kwargs)
+        trainer.train()
+        if n > 1:  # DDP syncs buffers before each forward, so the last step left BatchNorm statistics per process
+            for buffer in model.buffers():
+                buffer.copy_(broadcast(buffer.to(trainer.accelerator.device), from_process=0))
+        if trainer.is_world_process_zero():
+            save_sparse(model, folder, recipe=settings)
+        trainer.accelerator.wait_for_everyone()
+    finally:
+        if lock is not None:
+            os.close(lock)
     return model
 
 

@@ -111,3 +111,83 @@ def test_a_replica_trained_under_another_mask_is_refused_naming_its_folder(tmp_p
     (tmp_path / "run" / "final_soup" / "sparsity.json").unlink()
     with pytest.raises(ValueError, match=r"phase1/replica1 holds weights where this phase's mask prunes them"):
         run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val)
+
+
+# -- 9: one job at a time, and no checkpoint lost to a kill between renames -------------------------------------
+def test_a_second_pretraining_into_the_same_folder_stops_at_once(tmp_path, digits):
+    import os
+
+    from conftest import make_cnn
+
+    from hf_sms import SparseSoupConfig
+    from hf_sms.loop.run_directory import lock_folder
+    from hf_sms.scripts import pretrain
+
+    train, _, _ = digits
+    args = SparseSoupConfig(output_dir=str(tmp_path / "run"), pretrain_epochs=1, report_to="none", use_cpu=True)
+    held = lock_folder(str(tmp_path / "dense"), "pretraining", "--dense_dir")  # the first job
+    try:
+        with pytest.raises(RuntimeError, match="another hf-sms process is pretraining in .*dense"):
+            pretrain(make_cnn(), args, train, str(tmp_path / "dense"))
+    finally:
+        os.close(held)
+
+
+def test_a_kill_between_the_two_renames_of_a_save_loses_nothing(tmp_path):
+    import os
+
+    from conftest import make_cnn
+
+    from hf_sms import load_sparse, save_sparse
+    from hf_sms.checkpoint.folder import PREVIOUS_SUFFIX
+
+    old, new = make_cnn(seed=0), make_cnn(seed=1)
+    folder = tmp_path / "ckpt"
+    save_sparse(old, str(folder))
+    (folder / "notes.txt").write_text("kept")
+    os.replace(folder, str(folder) + PREVIOUS_SUFFIX)  # killed right after the first rename of the next save
+    assert not folder.exists()
+    save_sparse(new, str(folder))  # the next write puts the old folder back, then replaces its weights
+    assert (folder / "notes.txt").read_text() == "kept" and not os.path.exists(str(folder) + PREVIOUS_SUFFIX)
+    loaded = load_sparse(str(folder), make_cnn(seed=2))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), new.state_dict().values()))
+
+
+# -- 10: resume refusals that help ---------------------------------------------------------------------------------
+def test_resume_keeps_replicas_when_only_reported_test_sets_change(tmp_path, digits):
+    train, val, test = digits
+    args = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False)
+    run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
+    replica = tmp_path / "run" / "sms" / "phase1" / "replica0" / "sparsity.json"
+    before = replica.stat().st_mtime_ns
+    more = {"test": test, "again": test}
+    _, results = run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=more)
+    assert replica.stat().st_mtime_ns == before and "again" in results["rows"]["sms_uniform"][-1]["tests"]
+
+
+def test_a_field_an_older_run_did_not_record_passes_at_its_default_and_is_named_otherwise(tmp_path, digits):
+    import json
+
+    train, val, _ = digits
+    args = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False)
+    run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val)
+    run_file = tmp_path / "run" / "run.json"
+    recorded = json.loads(run_file.read_text())
+    del recorded["config"]["greedy_keep_ties"]  # as if written before the field existed
+    run_file.write_text(json.dumps(recorded))
+    run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val)  # default: the old behaviour
+    run_file.write_text(json.dumps(recorded))
+    with pytest.raises(ValueError, match=r"changed: \['config.greedy_keep_ties'\]"):
+        run_sms(_net(), sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False, greedy_keep_ties=True),
+                train, ClassificationAccuracy(), eval_dataset=val)  # fmt: skip
+
+
+def test_a_schedule_mistake_is_caught_before_the_run_folder_and_the_corrected_rerun_runs(tmp_path, digits):
+    train, val, _ = digits
+    bad = sms_config(tmp_path, pruning_method="gmp", num_replicas=1, max_steps=4, pruning_steps=6)
+    with pytest.raises(ValueError, match="6 pruning steps need total_steps >= 7"):
+        run_sms(_net(), bad, train, ClassificationAccuracy(), eval_dataset=val)
+    assert not (tmp_path / "run" / "run.json").exists()
+    good = sms_config(tmp_path, pruning_method="gmp", num_replicas=1, max_steps=4, pruning_steps=2)
+    run_sms(_net(), good, train, ClassificationAccuracy(), eval_dataset=val)
+    assert (tmp_path / "run" / "final_soup" / "sparsity.json").is_file()

@@ -116,9 +116,16 @@ def check_target(directory: str, mode: str, replace_hint: str = "replace it expl
         raise ValueError(f"{directory} exists and is not empty; choose a new folder or {replace_hint}")
 
 
+PREVIOUS_SUFFIX = ".hf_sms-previous"  # an existing folder while its replacement is swapped in
+
+
 @contextmanager
 def atomic_folder(directory: str, mode: str = "new") -> Iterator[str]:
     """Write a folder atomically: yields a temporary folder to fill, installed at ``directory`` on success.
+
+    An existing folder is replaced by two renames (it to ``<directory>.hf_sms-previous``, the new one into place),
+    so a kill at any moment leaves either the old folder or the complete new one; one left between the two renames
+    is put back by the next write to ``directory``.
 
     Args:
         directory: the target folder; its parent is created if missing.
@@ -127,8 +134,9 @@ def atomic_folder(directory: str, mode: str = "new") -> Iterator[str]:
     Yields:
         The temporary folder, in ``directory``'s parent. It is removed if the body raises.
     """
-    check_target(directory, mode)
     directory = os.path.abspath(directory)
+    restore_previous(directory)
+    check_target(directory, mode)
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)
@@ -140,34 +148,42 @@ def atomic_folder(directory: str, mode: str = "new") -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def restore_previous(directory: str) -> None:
+    """Put back a folder a killed write left aside between its two renames (see :func:`atomic_folder`)."""
+    previous = os.path.abspath(directory) + PREVIOUS_SUFFIX
+    if os.path.isdir(previous):
+        if os.path.exists(directory):  # the new one made it into place: the old one is no longer needed
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            os.replace(previous, directory)
+
+
 def _install(tmp: str, directory: str, mode: str) -> None:
     if not os.path.exists(directory) or not os.listdir(directory):
         os.replace(tmp, directory)  # a rename replaces an empty folder too
-    elif mode == "replace":
-        old = tmp + ".old"
-        os.replace(directory, old)
-        try:
-            os.replace(tmp, directory)
-        except BaseException:
-            os.replace(old, directory)  # put the existing folder back rather than lose it
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        _update(tmp, directory)
+        return
+    if mode == "update":  # the existing folder's other files come along (hard links: no copy)
+        new = set(os.listdir(tmp))
+        for name in os.listdir(directory):
+            src = os.path.join(directory, name)
+            if name in new or STALE_FILES.match(name):
+                continue
+            dst = os.path.join(tmp, name)
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(src, dst)
+    previous = directory + PREVIOUS_SUFFIX
+    os.replace(directory, previous)
+    os.replace(tmp, directory)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
-def _update(tmp: str, directory: str) -> None:
-    """Move the files of ``tmp`` into ``directory``, dropping stale weight files and keeping the others."""
-    new = set(os.listdir(tmp))
-    for name in os.listdir(directory):
-        if STALE_FILES.match(name) and name not in new:
-            os.remove(os.path.join(directory, name))
-    # sparsity.json last: a folder with it is complete.
-    for name in sorted(new, key=lambda n: n == SPARSITY_NAME):
-        dst = os.path.join(directory, name)
-        if os.path.isdir(dst) and not os.path.islink(dst):
-            shutil.rmtree(dst)
-        os.replace(os.path.join(tmp, name), dst)
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def published_files(directory: str) -> list[str]:

@@ -53,6 +53,15 @@ def config_fingerprint(config) -> dict:
     return {k: v for k, v in sorted(config.to_dict().items()) if not k.startswith(_NOT_RESULTS)}
 
 
+def default_config(config):
+    """A config of the same class with every field at its default (what an older run that did not record a
+    newer field ran with)."""
+    try:
+        return type(config)(output_dir=config.output_dir, report_to="none")
+    except (TypeError, ValueError):  # a subclass with required fields: every field then counts as recorded
+        return config
+
+
 def _update(h, value) -> None:
     if torch.is_tensor(value):
         t = value.detach().cpu().contiguous()
@@ -99,6 +108,21 @@ def data_hash(dataset, samples: int = 16) -> str | None:
     return h.hexdigest()[:16]
 
 
+def lock_folder(folder: str, doing: str, option: str) -> int:
+    """An exclusive lock on ``folder`` (created if missing) for this process: a file descriptor to ``os.close``
+    when done (the lock also goes when the process dies). Raises at once if another process holds it."""
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(
+            f"another hf-sms process is {doing} in {folder}; wait for it to finish or use another {option}"
+        ) from None
+    return fd
+
+
 class RunDirectory:
     """Owns ``root``: the layout of a run, its fingerprint check and its lock.
 
@@ -109,9 +133,10 @@ class RunDirectory:
         is_main: this process writes run-level files and holds the lock (rank 0 of a launch).
     """
 
-    def __init__(self, root: str, fingerprint: dict, is_main: bool = True):
+    def __init__(self, root: str, fingerprint: dict, is_main: bool = True, defaults: dict | None = None):
         self.root, self.is_main, self._lock = root, is_main, None
         self.fingerprint = json.loads(json.dumps(fingerprint))  # as run.json will read back (tuples -> lists)
+        self.defaults = json.loads(json.dumps(defaults or {}))
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
@@ -120,16 +145,7 @@ class RunDirectory:
         """Take the lock, then check that ``root`` is empty or holds this very run; write ``run.json``."""
         if not self.is_main:
             return
-        os.makedirs(self.root, exist_ok=True)
-        fd = os.open(self.path(LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RuntimeError(
-                f"another hf-sms process is running in {self.root}; wait for it to finish or use another --output_dir"
-            ) from None
-        self._lock = fd
+        self._lock = lock_folder(self.root, "running", "--output_dir")
         try:
             self._check_or_write()
         except Exception:
@@ -149,17 +165,25 @@ class RunDirectory:
                     old = json.load(f)
             except (OSError, ValueError) as e:
                 raise ValueError(f"{run_file} is corrupt ({e}); delete it or choose another --output_dir") from e
-            if old != self.fingerprint:
-                changed = _changed(old, self.fingerprint)
+            changed = _changed(old, self.fingerprint, self.defaults)
+            if changed and self._trained_nothing():  # e.g. a schedule mistake found after run.json was written
+                save_results(self.fingerprint, run_file)
+            elif changed:
                 raise ValueError(
                     f"{self.root} holds a run made from something else (changed: {changed}); use a fresh "
                     "--output_dir, or delete the old run to start over"
                 )
+            elif old != self.fingerprint:  # only fields added since, at their defaults (the old behaviour)
+                save_results(self.fingerprint, run_file)
             self._remove_stale_temporaries()
             return
         if any(e.name != LOCK_FILE for e in os.scandir(self.root)):
             raise ValueError(f"{self.root} is not empty and holds no hf-sms {RUN_FILE}; use a fresh --output_dir")
         save_results(self.fingerprint, run_file)
+
+    def _trained_nothing(self) -> bool:
+        """No replica finished (no checkpoint's ``sparsity.json`` anywhere): nothing a rerun could reuse."""
+        return not any("sparsity.json" in files for _, _, files in os.walk(self.root))
 
     def _remove_stale_temporaries(self) -> None:
         """Folders a killed run was writing (never installed, so never taken as finished); safe under the lock."""
@@ -169,12 +193,24 @@ class RunDirectory:
                 dirs.remove(name)
 
 
-def _changed(old: dict, new: dict) -> list[str]:
+_ABSENT = object()
+
+
+def _changed(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
+    """What differs between two fingerprints, by name. A config field the old run did not record (a newer
+    hf-sms added it) counts as changed only if its new value is not its default (the default keeps the old
+    behaviour); a field the old run recorded that no longer exists is ignored."""
+    defaults = (defaults or {}).get("config", {})
     out = []
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section), new.get(section)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += [f"{section}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            for k in sorted(set(a) | set(b)):
+                before, after = a.get(k, _ABSENT), b.get(k, _ABSENT)
+                if before is _ABSENT:
+                    before = defaults.get(k, _ABSENT) if section == "config" else _ABSENT
+                if after is not _ABSENT and before != after:
+                    out.append(f"{section}.{k}")
         elif a != b:
             out.append(section)
     return out

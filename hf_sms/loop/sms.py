@@ -33,7 +33,7 @@ from ..trainer import SparseSoupTrainer
 from .checks import check_inputs, check_model
 from .distributed import ReplicaWorld
 from .recorder import Recorder
-from .run_directory import RunDirectory, config_fingerprint, data_hash, model_hash
+from .run_directory import RunDirectory, config_fingerprint, data_hash, default_config, model_hash
 
 logger = logging.getLogger("hf_sms")
 
@@ -108,13 +108,15 @@ class SparseModelSoup:
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
         check_model(args, model)
-        splits = {"train": train_dataset, "eval": eval_dataset, **{f"test:{n}": d for n, (d, _) in self.tests.items()}}
+        # What training depends on; test sets are measured after it, so adding one keeps the finished replicas.
+        splits = {"train": train_dataset, "eval": eval_dataset}
         fingerprint = {
             "config": config_fingerprint(args),
             "model": model_hash(model),
             "data": {name: data_hash(d) for name, d in splits.items()},
         }
-        self.run_dir = RunDirectory(args.output_dir, fingerprint, is_main=self.world.is_main)
+        defaults = {"config": config_fingerprint(default_config(args))}
+        self.run_dir = RunDirectory(args.output_dir, fingerprint, is_main=self.world.is_main, defaults=defaults)
         self.recorder = Recorder(
             self.results,
             self.world,
@@ -131,6 +133,8 @@ class SparseModelSoup:
         """Run SMS (one trajectory per soup method) or a pruning-during-training method, then the baselines;
         returns the final soup of the first method. Results are in ``self.results``."""
         a = self.args
+        if a.pruning_method != "imp":  # a method checks what needs the data (its schedule's steps) before run.json
+            PRUNING_METHODS.meta(a.pruning_method).get("preflight", lambda ctx: None)(self)
         self.run_dir.open()
         try:
             self.world.barrier()  # every rank waits until the main process has checked the directory

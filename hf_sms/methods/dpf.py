@@ -15,7 +15,7 @@ from ..pruning.enforcement import MaskingPolicy
 from ..pruning.masks import compute_masks
 from ..registry import PRUNING_METHODS
 from .common import check_pruning_steps
-from .gmp import GradualPruning, gradual, pruning_targets, sparsity_at
+from .gmp import GradualPruning, gradual, preflight, pruning_targets, sparsity_at
 
 
 class FeedbackMasking(MaskingPolicy):
@@ -96,5 +96,10 @@ def _check(config) -> None:
 
 
 PRUNING_METHODS.add(
-    "dpf", dpf, check=_check, during_training=True, tiny={"max_steps": 8, "pruning_steps": 2, "dpf_interval": 2}
+    "dpf",
+    dpf,
+    check=_check,
+    preflight=preflight,
+    during_training=True,
+    tiny={"max_steps": 8, "pruning_steps": 2, "dpf_interval": 2},
 )

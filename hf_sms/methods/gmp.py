@@ -220,6 +220,16 @@ def gmp(ctx):
 
 
 # `tiny`: settings for a seconds-long run (the contract tests run every method with them)
+def preflight(ctx) -> None:
+    """The schedule fits the budget (a pruning step needs an interval): checked before the run folder is made."""
+    gmp_phases(total_steps(ctx), ctx.args.pruning_steps, ctx.args.target_sparsity)
+
+
 PRUNING_METHODS.add(
-    "gmp", gmp, check=check_pruning_steps, during_training=True, tiny={"max_steps": 8, "pruning_steps": 2}
+    "gmp",
+    gmp,
+    check=check_pruning_steps,
+    preflight=preflight,
+    during_training=True,
+    tiny={"max_steps": 8, "pruning_steps": 2},
 )
