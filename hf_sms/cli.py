@@ -27,8 +27,13 @@ def main(argv: list[str] | None = None) -> int:
 def _table(args) -> int:
     runs = []
     for path in args.results:
-        with open(path) as f:
-            runs.append(json.load(f))
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"hf-sms table: error: {path} is not a readable results.json ({e}); was its run killed while "
+                  "writing? Leave it out or rerun that run", file=sys.stderr)  # fmt: skip
+            return 2
     for split in args.split or reported_tests(runs[0]):
         print(f"{split}:\n{format_table(runs, split)}\n")
     print(measured_line(runs))

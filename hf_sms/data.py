@@ -15,6 +15,11 @@ VALIDATION_SEED = 0
 
 def split_validation(train_dataset, fraction: float, seed: int = VALIDATION_SEED):
     """Split ``fraction`` of ``train_dataset`` off for validation with a fixed seed: ``(train, validation)``."""
+    if not hasattr(train_dataset, "train_test_split") and not hasattr(train_dataset, "__len__"):
+        raise ValueError(
+            "a streaming (iterable) training set cannot be split for validation: pass eval_dataset= (a held-out "
+            "set that picks the soups)"
+        )
     if hasattr(train_dataset, "train_test_split"):  # datasets.Dataset
         split = train_dataset.train_test_split(test_size=fraction, seed=seed)
         return split["train"], split["test"]

@@ -234,6 +234,12 @@ def prepared_splits(raw, prepare, args, data: DataArguments) -> tuple:
     """
     if data.validation_split is not None and data.validation_split == data.test_split:
         raise ValueError(f"the {data.test_split!r} split is the test set; it cannot also be the validation set")
+    for column in filter(None, (data.group_column,)):  # checked before any pretraining or training
+        for name, split in raw.items():
+            if column not in split.column_names:
+                raise ValueError(
+                    f"--group_column {column!r} is not a column of the {name!r} split (it has {split.column_names})"
+                )
     train = raw["train"]
     if data.validation_split in raw:
         val = raw[data.validation_split]

@@ -191,3 +191,73 @@ def test_a_schedule_mistake_is_caught_before_the_run_folder_and_the_corrected_re
     good = sms_config(tmp_path, pruning_method="gmp", num_replicas=1, max_steps=4, pruning_steps=2)
     run_sms(_net(), good, train, ClassificationAccuracy(), eval_dataset=val)
     assert (tmp_path / "run" / "final_soup" / "sparsity.json").is_file()
+
+
+# -- 11: clear messages instead of tracebacks ----------------------------------------------------------------------
+def test_a_cifar_c_folder_with_only_labels_is_explained(tmp_path):
+    import numpy as np
+
+    from hf_sms.evaluation.corruptions import load_cifar_c
+
+    np.save(tmp_path / "labels.npy", np.zeros(5, dtype=np.int64))
+    with pytest.raises(ValueError, match="no corruption files"):
+        load_cifar_c(tmp_path)
+
+
+def test_an_unnamed_test_pair_is_explained(tmp_path, digits):
+    train, val, test = digits
+    accuracy = ClassificationAccuracy()
+    with pytest.raises(ValueError, match=r"needs a name: pass test_dataset=\{'test': \(dataset, metric\)\}"):
+        SparseModelSoup(_net(), sms_config(tmp_path), train, accuracy, val, test_dataset=(test, accuracy))
+
+
+def test_a_missing_group_column_is_explained_before_work(tmp_path):
+    import datasets
+
+    from hf_sms import SparseSoupConfig
+    from hf_sms.scripts import DataArguments, prepared_splits
+
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": [1, 2, 3, 4], "labels": [0, 1, 0, 1]})})
+    args = SparseSoupConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="--group_column 'Male' is not a column of the 'train' split"):
+        prepared_splits(raw, lambda data, training: data, args, DataArguments(group_column="Male"))
+
+
+def test_a_meta_device_model_and_an_unsplittable_stream_are_explained(tmp_path, digits):
+    from accelerate import init_empty_weights
+
+    train, val, _ = digits
+    with init_empty_weights():
+        empty = DigitsResNet(4)
+    with pytest.raises(ValueError, match="meta device"):
+        SparseModelSoup(empty, sms_config(tmp_path), train, ClassificationAccuracy(), val)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(train)
+
+    with pytest.raises(ValueError, match="cannot be split for validation: pass eval_dataset"):
+        SparseModelSoup(_net(), sms_config(tmp_path), Stream(), ClassificationAccuracy())
+
+
+def test_hf_sms_table_names_a_truncated_results_file(tmp_path, capsys):
+    from hf_sms.cli import main
+
+    (tmp_path / "results.json").write_text('{"phases": [0.5], "rows": {')
+    assert main(["table", str(tmp_path / "results.json")]) == 2
+    assert "results.json is not a readable results.json" in capsys.readouterr().err
+
+
+def test_an_architecture_that_is_not_a_model_class_is_explained(tmp_path):
+    import json
+
+    from conftest import make_t5
+
+    from hf_sms import load_sparse, save_sparse
+
+    save_sparse(make_t5(), str(tmp_path / "ckpt"))
+    info = json.loads((tmp_path / "ckpt" / "sparsity.json").read_text())
+    info["architecture"] = "AutoConfig"
+    (tmp_path / "ckpt" / "sparsity.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="'AutoConfig' is not a transformers model class"):
+        load_sparse(str(tmp_path / "ckpt"))

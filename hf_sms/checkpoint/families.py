@@ -149,9 +149,12 @@ class TransformersFamily(Family):
         config = transformers.AutoConfig.from_pretrained(ckpt.directory, trust_remote_code=False)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the state dict is decoded already
-        cls = getattr(transformers, ckpt.architecture, None)
-        if cls is None:
-            raise ValueError(f"transformers has no class {ckpt.architecture!r}; pass model=<template> instead")
+        cls = getattr(transformers, str(ckpt.architecture), None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            raise ValueError(
+                f"{ckpt.directory}: architecture {ckpt.architecture!r} is not a transformers model class; fix "
+                "sparsity.json / config.json, or pass model=<template>"
+            )
         return cls, config
 
     def instantiate(self, ckpt, **kwargs):
@@ -239,7 +242,10 @@ class SmpFamily(Family):
         config = {k: v for k, v in (ckpt.config or {}).items() if not k.startswith("_")}
         if "encoder_weights" in config:
             config["encoder_weights"] = None  # the checkpoint has the weights; never download
-        return getattr(smp, ckpt.architecture)(**{**config, **kwargs})
+        cls = getattr(smp, str(ckpt.architecture), None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"{ckpt.directory}: architecture {ckpt.architecture!r} is not an smp model class")
+        return cls(**{**config, **kwargs})
 
     def own_loader(self, architecture, fmt, location, hub):
         if fmt != "dense":

@@ -77,6 +77,11 @@ def load_cifar_c(root, corruptions=None, severities=SEVERITIES) -> dict[tuple[st
     all_labels = np.load(labels_path, allow_pickle=False).astype(np.int64)
     if corruptions is None:
         corruptions = sorted(p.stem for p in root.glob("*.npy") if p.stem != "labels")
+        if not corruptions:
+            raise ValueError(
+                f"{root} holds labels.npy but no corruption files (<corruption>.npy, e.g. gaussian_noise.npy): is it "
+                "the unpacked CIFAR-10-C / CIFAR-100-C folder?"
+            )
     out = {}
     for name in corruptions:
         path = root / f"{name}.npy"

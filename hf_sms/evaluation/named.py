@@ -16,6 +16,10 @@ from torch import nn
 from .metrics import MetricFn, as_metric
 
 
+def _is_metric(obj) -> bool:
+    return callable(obj) or as_metric(obj) is not obj
+
+
 def named_tests(test_dataset, metric_fn: MetricFn) -> dict[str, tuple[object, MetricFn]]:
     """``{name: (dataset, metric)}`` from what a caller passes as ``test_dataset``.
 
@@ -25,6 +29,8 @@ def named_tests(test_dataset, metric_fn: MetricFn) -> dict[str, tuple[object, Me
     if test_dataset is None:
         return {}
     metric_fn = as_metric(metric_fn)
+    if isinstance(test_dataset, tuple) and len(test_dataset) == 2 and _is_metric(test_dataset[1]):
+        raise ValueError("test_dataset=(dataset, metric) needs a name: pass test_dataset={'test': (dataset, metric)}")
     if not isinstance(test_dataset, Mapping) or hasattr(test_dataset, "column_names"):  # a datasets.Dataset
         return {"test": (test_dataset, metric_fn)}
     out = {}

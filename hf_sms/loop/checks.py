@@ -52,7 +52,14 @@ def check_hub_access(token: str | None) -> None:
 
 
 def check_model(args, model) -> None:
-    """Raise before any work where the allocation cannot prune ``model`` at all (filter pruning without convs)."""
+    """Raise before any work where ``model`` has no weights yet (the meta device) or the allocation cannot prune
+    it at all (filter pruning without convs)."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device (e.g. {meta[:3]}): built without weights "
+            "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
+        )
     kind = ALLOCATIONS.meta(args.allocation).get("prunes") if args.allocation in ALLOCATIONS else None
     if kind and not any(t.kind == kind for t in prunable_tensors(model)):
         raise ValueError(
