@@ -152,6 +152,13 @@ class SparseSoupConfig(TrainingArguments):
     baselines: list[str] = field(
         default_factory=list, metadata={"help": "Baselines run beside SMS: any of imp, imp_mx, imp_reprune."}
     )
+    resume: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: resume a run in output_dir only if config, model and data match; force: also when the "
+            "training data is a stream hf-sms cannot identify (you vouch it is the same)."
+        },
+    )
     measure_speedup: bool = field(
         default=True,
         metadata={
@@ -218,6 +225,8 @@ class SparseSoupConfig(TrainingArguments):
                 "replica_epochs varies the retraining length in epochs, but max_steps > 0 fixes it in steps; "
                 "set max_steps=-1 (the default) or drop replica_epochs"
             )
+        if self.resume not in ("auto", "force"):
+            raise ValueError(f"resume={self.resume!r} is unknown; choose 'auto' or 'force'")
         if self.lr_schedule not in ("retrain", "original"):
             raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose 'retrain' or 'original'")
         if not 0.0 <= self.retrain_warmup_fraction < 1.0:

@@ -261,3 +261,41 @@ def test_an_architecture_that_is_not_a_model_class_is_explained(tmp_path):
     (tmp_path / "ckpt" / "sparsity.json").write_text(json.dumps(info))
     with pytest.raises(ValueError, match="'AutoConfig' is not a transformers model class"):
         load_sparse(str(tmp_path / "ckpt"))
+
+
+# -- 5: streaming data is fingerprinted by what it holds, or resuming needs resume="force" ------------------------
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, items, once=False):
+        self.items, self.once, self.used = items, once, False
+
+    def __iter__(self):
+        if self.once and self.used:  # a stream that cannot be read again
+            return iter(())
+        self.used = True
+        return iter(self.items)
+
+
+def test_streaming_training_data_is_identified_by_its_items(tmp_path, digits):
+    train, val, _ = digits
+    items = [train[i] for i in range(256)]
+    args = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False)
+    run_sms(_net(), args, _Stream(items), ClassificationAccuracy(), eval_dataset=val)
+    run_sms(_net(), args, _Stream(items), ClassificationAccuracy(), eval_dataset=val)  # the same stream resumes
+    with pytest.raises(ValueError, match=r"changed: \['data.train'\]"):
+        run_sms(_net(), args, _Stream(items[::-1]), ClassificationAccuracy(), eval_dataset=val)
+
+
+def test_a_stream_nothing_identifies_needs_resume_force(tmp_path, digits):
+    train, val, _ = digits
+    items = [train[i] for i in range(256)]
+    args = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False)
+    run_sms(_net(), args, _Stream(items), ClassificationAccuracy(), eval_dataset=val)
+    stream = _Stream(items, once=True)
+    list(stream)  # read once already: hf-sms cannot look at it
+    with pytest.raises(ValueError, match="stream hf-sms cannot identify.*resume='force'"):
+        run_sms(_net(), args, stream, ClassificationAccuracy(), eval_dataset=val)
+    forced = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False, resume="force")
+    replica = tmp_path / "run" / "sms" / "phase1" / "replica0" / "sparsity.json"
+    before = replica.stat().st_mtime_ns
+    run_sms(_net(), forced, stream, ClassificationAccuracy(), eval_dataset=val)  # vouched for: resumes
+    assert replica.stat().st_mtime_ns == before

@@ -28,6 +28,7 @@ from ..results import save_results
 _NOT_RESULTS = (
     "output_dir",
     "measure_speedup",  # a timing after training; it changes no model
+    "resume",
     "logging_",
     "log_",
     "report_to",
@@ -101,7 +102,7 @@ def data_hash(dataset, samples: int = 16) -> str | None:
     try:
         n = len(dataset)
     except TypeError:
-        return "iterable"  # not measurable without consuming it
+        return _stream_hash(dataset, samples)
     h = hashlib.sha256(str(n).encode())
     for i in sorted({round(k * (n - 1) / max(samples - 1, 1)) for k in range(samples)} if n else ()):
         _update(h, peek(dataset, i))
@@ -123,6 +124,30 @@ def lock_folder(folder: str, doing: str, option: str) -> int:
     return fd
 
 
+def _stream_hash(dataset, samples: int) -> str | None:
+    """A stream (``IterableDataset``): what ``datasets`` says of it plus its first ``samples`` items, read under
+    fixed seeds; ``None`` if nothing identifies it (it cannot be read twice, or gives nothing)."""
+    h = hashlib.sha256(b"stream")
+    info = getattr(dataset, "info", None)
+    if info is not None:  # a datasets.IterableDataset: its builder, config, split and files
+        _update(h, [repr(getattr(info, k, None)) for k in ("builder_name", "config_name", "version", "splits")])
+        _update(h, repr(getattr(getattr(dataset, "_ex_iterable", None), "kwargs", None)))
+    items = []
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for item in dataset:
+                items.append(item)
+                if len(items) == samples:
+                    break
+    except Exception:  # noqa: BLE001  (any failure to re-read means: not identifiable)
+        return None
+    if not items:
+        return None
+    _update(h, items)
+    return "stream:" + h.hexdigest()[:16]
+
+
 class RunDirectory:
     """Owns ``root``: the layout of a run, its fingerprint check and its lock.
 
@@ -133,8 +158,10 @@ class RunDirectory:
         is_main: this process writes run-level files and holds the lock (rank 0 of a launch).
     """
 
-    def __init__(self, root: str, fingerprint: dict, is_main: bool = True, defaults: dict | None = None):
-        self.root, self.is_main, self._lock = root, is_main, None
+    def __init__(
+        self, root: str, fingerprint: dict, is_main: bool = True, defaults: dict | None = None, force: bool = False
+    ):
+        self.root, self.is_main, self._lock, self.force = root, is_main, None, force
         self.fingerprint = json.loads(json.dumps(fingerprint))  # as run.json will read back (tuples -> lists)
         self.defaults = json.loads(json.dumps(defaults or {}))
 
@@ -165,7 +192,18 @@ class RunDirectory:
                     old = json.load(f)
             except (OSError, ValueError) as e:
                 raise ValueError(f"{run_file} is corrupt ({e}); delete it or choose another --output_dir") from e
+            unknown = [name for name, h in (self.fingerprint.get("data") or {}).items() if h is None]
+            if unknown and self.force:  # vouched for: the stream is the one the run recorded
+                for name in unknown:
+                    self.fingerprint["data"][name] = (old.get("data") or {}).get(name)
+                unknown = []
             changed = _changed(old, self.fingerprint, self.defaults)
+            if unknown and not self.force and not self._trained_nothing():
+                raise ValueError(
+                    f"{self.root} holds a run, but the {unknown} data is a stream hf-sms cannot identify, so it cannot "
+                    "tell whether the finished replicas were trained on this data: pass resume='force' (--resume "
+                    "force) if it is the same data, or use a fresh --output_dir"
+                )
             if changed and self._trained_nothing():  # e.g. a schedule mistake found after run.json was written
                 save_results(self.fingerprint, run_file)
             elif changed:

@@ -116,7 +116,9 @@ class SparseModelSoup:
             "data": {name: data_hash(d) for name, d in splits.items()},
         }
         defaults = {"config": config_fingerprint(default_config(args))}
-        self.run_dir = RunDirectory(args.output_dir, fingerprint, is_main=self.world.is_main, defaults=defaults)
+        self.run_dir = RunDirectory(
+            args.output_dir, fingerprint, is_main=self.world.is_main, defaults=defaults, force=args.resume == "force"
+        )
         self.recorder = Recorder(
             self.results,
             self.world,
