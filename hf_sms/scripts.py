@@ -125,7 +125,10 @@ class DataArguments:
     mask_column: str = field(default="mask", metadata={"help": "Column of the label masks (segmentation)."})
     group_column: str | None = field(
         default=None,
-        metadata={"help": "Column of a binary group attribute (CelebA: Male): adds a subgroup-recall test set."},
+        metadata={
+            "help": "Column of a binary group attribute (CelebA: Blond_Hair): adds subgroup-recall test sets "
+            "(worst group, and balanced accuracy)."
+        },
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N train examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N validation examples."})
@@ -147,13 +150,13 @@ class DataArguments:
         }
         return dataclasses.replace(self, **filled)
 
-    def subgroup_metric(self, collate_fn: Callable | None = None):
-        """Recall of every (``group_column``, ``label_column``) pair, both binary, e.g. "Male,not Blond_Hair";
-        its score is the worst one (:class:`~hf_sms.evaluation.subgroups.SubgroupRecall`, items carry ``group``)."""
-
+    def subgroup_metric(self, collate_fn: Callable | None = None, score: str = "worst"):
+        """Recall of every (``group_column``, ``label_column``) pair, both binary, e.g. "Blond_Hair,not Male"; its
+        score is the worst one, or with ``score="balanced"`` their mean (balanced accuracy)
+        (:class:`~hf_sms.evaluation.subgroups.SubgroupRecall`, items carry ``group``)."""
         group, target = self.group_column, self.label_column
         names = {"group_names": {0: f"not {group}", 1: group}, "class_names": {0: f"not {target}", 1: target}}
-        return SubgroupRecall(collate_fn=collate_fn, **names)
+        return SubgroupRecall(collate_fn=collate_fn, score=score, **names)
 
     @property
     def hub_datasets(self) -> list[str]:

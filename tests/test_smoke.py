@@ -30,7 +30,11 @@ RUNS = {  # id: (recipe, extra flags, the named test sets every row must carry)
     **{f"config-{c}": (r, ["--config", str(CONFIGS / f"{c}.yaml")], ["test"]) for c, r in RECIPE_OF.items()},
     # WRN-20 with CIFAR-C made on the fly; CelebA's subgroup recall
     "config-wrn20_cifar100": ("cifar", ["--config", str(CONFIGS / "wrn20_cifar100.yaml"), "--ood"], ["test", "ood"]),
-    "config-resnet18_celeba": ("cifar", ["--config", str(CONFIGS / "resnet18_celeba.yaml")], ["test", "subgroups"]),
+    "config-resnet18_celeba": (
+        "cifar",
+        ["--config", str(CONFIGS / "resnet18_celeba.yaml")],
+        ["test", "subgroups", "balanced"],
+    ),
 }
 
 

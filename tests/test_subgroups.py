@@ -64,8 +64,11 @@ def test_per_group_and_worst_group_recall_by_hand():
 def test_readable_names_and_string_groups():
     model = Stored([p for *_, p in TABLE])
     named = SubgroupRecall(**CELEBA_NAMES).details(model, _data())
-    assert named["per_group"]["male,blond"] == pytest.approx(50.0) and named["worst_group"] == "male,blond"
-    assert set(named["per_group"]) == {"female,non-blond", "female,blond", "male,non-blond", "male,blond"}
+    assert named["per_group"]["blond,male"] == pytest.approx(50.0) and named["worst_group"] == "blond,male"
+    assert set(named["per_group"]) == {"non-blond,female", "non-blond,male", "blond,female", "blond,male"}
+    assert named["balanced_accuracy"] == pytest.approx(named["mean_recall"])
+    balanced = SubgroupRecall(score="balanced", **CELEBA_NAMES)
+    assert balanced(model, _data()) == pytest.approx(named["mean_recall"]) and balanced.name == "balanced accuracy"
     # default_data_collator drops string values; the groups are taken out before it runs
     data = [{"x": torch.tensor(i), "labels": torch.tensor(y), "sex": "FM"[g]} for i, (g, y, _) in enumerate(TABLE)]
     sex = SubgroupRecall(group_key="sex").details(model, data)
@@ -132,11 +135,12 @@ def test_read_celeba_attributes_csv(tmp_path):
         "000002.jpg,1,1,1,-1\n"
         "000003.jpg,-1,1,-1,1\n"
     )
-    assert read_celeba_attributes(str(path)) == {
+    assert read_celeba_attributes(str(path)) == {  # the paper's: gender predicted, blond hair the group
         "000001.jpg": {"labels": 0, "group": 0},
         "000002.jpg": {"labels": 1, "group": 1},
-        "000003.jpg": {"labels": 1, "group": 0},
+        "000003.jpg": {"labels": 0, "group": 1},
     }
+    assert read_celeba_attributes(str(path), celeba_blond_by_gender)["000003.jpg"] == {"labels": 1, "group": 0}
     bad = tmp_path / "bad.csv"
     bad.write_text("image_id,Blond_Hair\n000001.jpg,1\n")
     with pytest.raises(ValueError, match="Male"):
