@@ -13,6 +13,7 @@ world of size 1 that trains every replica in turn: the same code path, no torch.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
@@ -70,6 +71,8 @@ class ReplicaWorld:
             self.device = torch.device("cuda", local_rank)
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+            # ours to close: a process that exits with the group open can abort in the transport's teardown
+            atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
         self.rank = dist.get_rank()
         k = self.size // num_replicas if self.size > num_replicas else 1
         self.group_size, self.n_groups = k, self.size // k

@@ -45,7 +45,7 @@ args = SparseSoupConfig(
     baselines=cli.baselines,
     pruning_method=cli.pruning_method,
     pruning_steps=2,
-    merge_methods=["greedy"],
+    merge_methods=["uniform"] if cli.pruning_method == "dpf" else ["greedy"],  # DPF's soup is the re-pruned mean
     replicas_per_phase=cli.per_phase,
 )
 noisy = TensorDictDataset(
