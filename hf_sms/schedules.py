@@ -17,10 +17,31 @@ from .registry import PRETRAIN_SHAPES, RETRAIN_SCHEDULES
 # Shapes of the original (pre)training schedule on normalised time u in [0, 1]: shape(u, lr_max, lr_min).
 PRETRAIN_SHAPES.add("linear", lambda u, hi, lo: hi + (lo - hi) * u)
 PRETRAIN_SHAPES.add("cosine", lambda u, hi, lo: lo + (hi - lo) * 0.5 * (1.0 + math.cos(math.pi * u)))
-PRETRAIN_SHAPES.add("step", lambda u, hi, lo: hi * (1.0 if u < 0.5 else 0.1 if u < 0.75 else 0.01))  # x0.1 at 50, 75%
+# A generic step decay (x0.1 at 50% and 75%), none of the paper's; those follow below by name.
+PRETRAIN_SHAPES.add("step", lambda u, hi, lo: hi * (1.0 if u < 0.5 else 0.1 if u < 0.75 else 0.01))
 # The paper's ResNet-18 / CIFAR-10 pretraining: x0.1 at epochs 90 and 180 of 200.
 PRETRAIN_SHAPES.add("step_cifar", lambda u, hi, lo: hi * (1.0 if u < 0.45 else 0.1 if u < 0.9 else 0.01))
 PRETRAIN_SHAPES.add("constant", lambda u, hi, lo: hi)
+
+
+def _warmup_then_steps(warmup: float, bounds: tuple[float, ...]):
+    """The paper's step schedules (its appendix table, epoch t of E as u = t/E): linear warm-up to the peak over
+    ``warmup``, the peak until ``bounds[0]``, then x0.1 at every further bound."""
+
+    def shape(u, hi, lo):
+        if u < warmup:
+            return hi * u / warmup
+        return hi * 0.1 ** sum(u >= b for b in bounds)
+
+    return shape
+
+
+# MaxViT on ImageNet, 200 epochs: warm-up over 20, 0.2 to 60, then x0.1 at 60, 120 and 160.
+PRETRAIN_SHAPES.add("step_maxvit", _warmup_then_steps(20 / 200, (60 / 200, 120 / 200, 160 / 200)))
+# PSPNet on Cityscapes, 300 epochs: warm-up over 20, 0.1 to 100, then x0.1 at 100, 200, 270 and 290.
+PRETRAIN_SHAPES.add("step_pspnet", _warmup_then_steps(20 / 300, (100 / 300, 200 / 300, 270 / 300, 290 / 300)))
+# T5-small on WMT16, 5 epochs: warm-up over 1, 0.1 to 2, then x0.1 at 2, 3 and 4.
+PRETRAIN_SHAPES.add("step_t5", _warmup_then_steps(1 / 5, (2 / 5, 3 / 5, 4 / 5)))
 
 
 @dataclass(frozen=True)

@@ -109,9 +109,11 @@ def test_data_arguments_defaults_and_limits():
 
     t5 = _recipe("t5_wmt16")
     resolved = DataArguments(test_split="newstest").with_defaults(**t5.DATA_DEFAULTS)
-    assert (resolved.dataset_name, resolved.validation_split, resolved.test_split) == (
+    # the paper validates on 10% of train: no validation split by default (de-en, as the paper)
+    assert (resolved.dataset_name, resolved.dataset_config, resolved.validation_split, resolved.test_split) == (
         "wmt16",
-        "validation",
+        "de-en",
+        None,
         "newstest",
     )
     assert resolved.hub_datasets == ["wmt16"]

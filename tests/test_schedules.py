@@ -272,3 +272,21 @@ def test_trainer_runs_allr_from_the_measured_pruning_step(make_args, image_datas
     allr = run_trainer(make_args, image_dataset, "allr", masks=step, pretrain_epochs=30)
     expected = [warmup(k, R, start) for k in range(2)] + [start * (1 - j / (R - 2)) for j in range(R - 2)]
     assert allr == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_papers_pretraining_step_schedules():
+    from hf_sms.registry import PRETRAIN_SHAPES
+
+    def at(name, epoch, epochs, peak):
+        return PRETRAIN_SHAPES[name](epoch / epochs, peak, 0.0)
+
+    # MaxViT (200 epochs, peak 0.2): warm-up over 20, then 0.2, 0.02, 0.002, 0.0002 from 60, 120, 160
+    assert at("step_maxvit", 10, 200, 0.2) == pytest.approx(0.1)
+    assert [at("step_maxvit", t, 200, 0.2) for t in (30, 90, 140, 180)] == pytest.approx([0.2, 0.02, 0.002, 2e-4])
+    # PSPNet (300 epochs, peak 0.1): warm-up over 20, then x0.1 at 100, 200, 270 and 290
+    assert at("step_pspnet", 10, 300, 0.1) == pytest.approx(0.05)
+    expected = [0.1, 0.01, 0.001, 1e-4, 1e-5]
+    assert [at("step_pspnet", t, 300, 0.1) for t in (50, 150, 250, 280, 295)] == pytest.approx(expected)
+    # T5 (5 epochs, peak 0.1): warm-up over the first, then 0.1, 0.01, 0.001, 0.0001
+    assert at("step_t5", 0.5, 5, 0.1) == pytest.approx(0.05)
+    assert [at("step_t5", t, 5, 0.1) for t in (1.5, 2.5, 3.5, 4.5)] == pytest.approx([0.1, 0.01, 0.001, 1e-4])
