@@ -22,7 +22,7 @@ from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from .checkpoint import SPARSITY_NAME, load_sparse, save_sparse
 from .data import VALIDATION_SEED
-from .evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, load_cifar_c
+from .evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, imagenet_c_files, load_cifar_c
 from .evaluation.named import MeanOverSets
 from .evaluation.subgroups import SubgroupRecall
 from .loop.distributed import launched_world_size
@@ -173,8 +173,9 @@ class OODArguments:
     ood_dir: str | None = field(
         default=None,
         metadata={
-            "help": "The published CIFAR-10-C / CIFAR-100-C folder (.npy). Without it the corruptions are made on "
-            "the fly with ImageNet-C's parameters (pip install 'hf-sms[ood]'), harsher on 32 px than CIFAR-C's."
+            "help": "The published corrupted test sets: CIFAR-10-C / CIFAR-100-C (a folder of .npy) or ImageNet-C "
+            "(<corruption>/<severity>/<wnid>/*.JPEG). Without it the corruptions are made on the fly with ImageNet-C's "
+            "parameters (pip install 'hf-sms[ood]'), harsher on 32 px than CIFAR-C's."
         },
     )
     ood_corruptions: list[str] | None = field(
@@ -197,6 +198,10 @@ class OODArguments:
         """
 
         severities = self.ood_severities or SEVERITIES
+        if self.ood_dir and not os.path.isfile(os.path.join(self.ood_dir, "labels.npy")):  # ImageNet-C's tree
+            files = imagenet_c_files(self.ood_dir, self.ood_corruptions, severities)
+            classes = sorted({wnid for items in files.values() for _, wnid in items})
+            return {key: ImageFiles(items, classes, transform) for key, items in files.items()}, MeanOverSets(metric)
         if self.ood_dir:
             sets = load_cifar_c(self.ood_dir, self.ood_corruptions, severities)
         else:
@@ -284,6 +289,24 @@ class ArrayImages(torch.utils.data.Dataset):
         from PIL import Image
 
         return {"x": self.transform(Image.fromarray(np.asarray(self.images[i]))), "labels": int(self.labels[i])}
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """Items ``{"x": transform(PIL image), "labels": int}`` of image files, each labelled by the index of its class
+    folder among ``classes`` (ImageNet-C's ``<wnid>`` folders: the wnids sorted, as ImageNet's labels are)."""
+
+    def __init__(self, files: list, classes: list[str], transform: Callable):
+        index = {c: i for i, c in enumerate(classes)}
+        self.files, self.labels, self.transform = [p for p, _ in files], [index[c] for _, c in files], transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict:
+        from PIL import Image
+
+        with Image.open(self.files[i]) as image:
+            return {"x": self.transform(image.convert("RGB")), "labels": self.labels[i]}
 
 
 class _Pretrainer(SparseSoupTrainer):

@@ -66,6 +66,26 @@ def smoke_imagefolder(folder: str) -> dict:
     return {"dataset_name": "imagefolder", "data_dir": root}
 
 
+def smoke_imagenet_c(imagefolder: str, folder: str) -> str:
+    """ImageNet-C's layout (``<corruption>/<severity>/<class>/<file>``) of noisy copies of ``imagefolder``'s
+    validation images, in ``folder``; returns its root."""
+    import numpy as np
+    from PIL import Image
+
+    root = os.path.join(folder, "imagenet-c")
+    source = os.path.join(imagefolder, "validation")
+    rng = np.random.default_rng(0)
+    for severity in (1, 2):
+        for label in sorted(os.listdir(source)):
+            out = os.path.join(root, "gaussian_noise", str(severity), label)
+            os.makedirs(out, exist_ok=True)
+            for name in sorted(os.listdir(os.path.join(source, label))):
+                image = np.asarray(Image.open(os.path.join(source, label, name)).convert("RGB"), dtype=np.float32)
+                noisy = np.clip(image + rng.normal(0, 20 * severity, image.shape), 0, 255).astype(np.uint8)
+                Image.fromarray(noisy).save(os.path.join(out, name))
+    return root
+
+
 def smoke_classification(folder: str) -> dict:
     """A ``DatasetDict`` (train, test) saved with ``save_to_disk``, with the columns of CIFAR-10 (``img``,
     ``label``), CIFAR-100 (``fine_label``) and CelebA (``image``, ``Blond_Hair``, ``Male``), so that any of their

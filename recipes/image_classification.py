@@ -5,6 +5,9 @@
     # class subfolders in ./images/train and ./images/validation (reported), read by datasets' imagefolder
     python recipes/image_classification.py --output_dir out --dataset_name imagefolder --data_dir ./images
     python recipes/image_classification.py --smoke --output_dir smoke  # a tiny ResNet on PNGs, CPU, seconds
+    # OOD accuracy per corruption and severity on ImageNet-C (<corruption>/<severity>/<wnid>/*.JPEG)
+    accelerate launch recipes/image_classification.py --config recipes/configs/resnet50_imagenet.yaml \
+        --ood --ood_dir data/ImageNet-C
 
 Items reach the model as ``{"x": image tensor, "labels": class}``, the argument name of timm's forward.
 Soups are selected on ``validation_fraction`` of the train split (fixed seed) under the evaluation transform;
@@ -22,13 +25,14 @@ from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.scripts import (
     DataArguments,
+    OODArguments,
     finish,
     load_splits,
     parse_args,
     prepared_splits,
     stack_collate,
 )
-from hf_sms.smoke import smoke_imagefolder
+from hf_sms.smoke import smoke_imagefolder, smoke_imagenet_c
 
 DATA_DEFAULTS = dict(dataset_name="imagenet-1k", test_split="validation")
 
@@ -46,13 +50,16 @@ class ModelArguments:
 
 
 def smoke(folder: str) -> dict:
-    """--smoke: a ResNet-18 layout with one narrow block per stage, no pretrained weights, on 32 px PNGs."""
+    """--smoke: a ResNet-18 layout with one narrow block per stage, no pretrained weights, on 32 px PNGs; with
+    --ood, an ImageNet-C-shaped tree of noisy copies of the validation images."""
     tiny = json.dumps({"layers": [1, 1, 1, 1], "channels": [8, 16, 16, 16]})
     model = {"model_name": "resnet18", "pretrained": False, "model_kwargs": tiny, "image_size": 32}
-    return {**model, **smoke_imagefolder(folder)}
+    data = smoke_imagefolder(folder)
+    ood = {"ood_dir": smoke_imagenet_c(data["data_dir"], folder), "ood_severities": [1, 2]}
+    return {**model, **data, **ood}
 
 
-def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
+def main(model_args: ModelArguments, data_args: DataArguments, ood_args: OODArguments, args: SparseSoupConfig):
     data_args = data_args.with_defaults(**DATA_DEFAULTS)
     raw = load_splits(data_args)
     num_classes = model_args.num_classes or raw["train"].features[data_args.label_column].num_classes
@@ -86,13 +93,17 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
             return torch.nn.functional.cross_entropy(outputs, labels, label_smoothing=model_args.label_smoothing)
 
     accuracy = ClassificationAccuracy(collate_fn=stack_collate)
+    tests = {"test": test}
+    if ood_args.ood:  # ImageNet-C (--ood_dir) or corruptions made on the fly: accuracy per corruption and severity
+        evaluate = timm.data.create_transform(**data_cfg, is_training=False)
+        tests["ood"] = ood_args.test_set(raw[data_args.test_split], data_args, evaluate, accuracy, args.seed)
     runner = SparseModelSoup(
         model,
         args,
         train,
         accuracy,
         eval_dataset=val,
-        test_dataset=test,
+        test_dataset=tests,
         data_collator=stack_collate,
         compute_loss_func=loss,
         model_card={"base_model": f"timm/{model_args.model_name}", "datasets": data_args.hub_datasets},
@@ -103,4 +114,4 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
 
 
 if __name__ == "__main__":
-    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig, smoke=smoke))
+    main(*parse_args(ModelArguments, DataArguments, OODArguments, SparseSoupConfig, smoke=smoke))

@@ -28,6 +28,8 @@ RECIPE_OF = {  # every shipped config, on its recipe's smoke data
 RUNS = {  # id: (recipe, extra flags, the named test sets every row must carry)
     **{name: (name, [], ["test"]) for name in ("t5_wmt16", "image_classification", "pspnet_segmentation", "cifar")},
     **{f"config-{c}": (r, ["--config", str(CONFIGS / f"{c}.yaml")], ["test"]) for c, r in RECIPE_OF.items()},
+    # ImageNet-C's folder layout read from disk
+    "image_classification-ood": ("image_classification", ["--ood"], ["test", "ood"]),
     # WRN-20 with CIFAR-C made on the fly; CelebA's subgroup recall
     "config-wrn20_cifar100": ("cifar", ["--config", str(CONFIGS / "wrn20_cifar100.yaml"), "--ood"], ["test", "ood"]),
     "config-resnet18_celeba": (
