@@ -33,6 +33,8 @@ class PhaseSpec:
         folder: replica i is saved to ``folder(i)``, a path inside the run folder.
         soup: the soup method (a name in ``SOUPS``), or ``None``: no soup, the candidates are the result.
         prune: prune at the start of the phase (``False``: train under the given masks only).
+        exact_masks: the replicas end with the phase's mask (a finished replica loaded on resume is checked
+            against it); ``False`` for replicas that move their mask (DPF).
         allocation: how the phase's sparsity is spread (default: the run's).
         trainer_kwargs: ``fn(i) -> dict`` of extra :class:`~hf_sms.SparseSoupTrainer` arguments for replica i
             (callbacks, ``masking``, ``lr_schedule``, ``step_offset``, ``total_steps``).
@@ -46,6 +48,7 @@ class PhaseSpec:
     folder: Callable[[int], str]
     soup: str | None = "uniform"
     prune: bool = True
+    exact_masks: bool = True
     allocation: str | None = None
     trainer_kwargs: Callable[[int], dict] = field(default=lambda i: {})
 

@@ -123,8 +123,9 @@ class SparseSoupTrainer(Trainer):
         self.step_offset, self.total_steps = step_offset, total_steps
         self.pruning_step = step
         self.process_group = process_group
-        apply_masks(self.model, step.masks)
         self.masking = masking if masking is not None else ExactMasking()
+        if self.masking.zeroes_at_start:  # DPF keeps the dense values it was handed
+            apply_masks(self.model, step.masks)
         self.enforcer = MaskEnforcer(self.model, step.masks)
         self.masking.bind(self.enforcer)
         self.add_callback(_MaskCallback(self))

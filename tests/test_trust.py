@@ -299,3 +299,22 @@ def test_a_stream_nothing_identifies_needs_resume_force(tmp_path, digits):
     before = replica.stat().st_mtime_ns
     run_sms(_net(), forced, stream, ClassificationAccuracy(), eval_dataset=val)  # vouched for: resumes
     assert replica.stat().st_mtime_ns == before
+
+
+# -- 12: DPF + SMS keeps DPF's dense values across merges, as plain DPF does -----------------------------------
+def test_dpf_sms_copies_start_from_the_dense_mean_not_a_zeroed_model(tmp_path, digits):
+    train, val, _ = digits
+    args = sms_config(tmp_path, pruning_method="dpf", num_replicas=2, max_steps=12, pruning_steps=2, dpf_interval=2)
+    runner = SparseModelSoup(_net(), args, train, ClassificationAccuracy(), val)
+    starts, run_phase = [], runner.run_phase
+
+    def spy(spec):
+        params = dict(spec.start.named_parameters())
+        starts.append(sum(int((params[n].detach()[~m] != 0).sum()) for n, m in spec.masks.items()))
+        return run_phase(spec)
+
+    runner.run_phase = spy
+    soup = runner.run()
+    assert len(starts) == 2 and starts[1] > 0  # phase 2 starts with values under its mask: they may come back
+    assert runner.results["rows"]["sms_uniform"][-1]["sparsity"] == pytest.approx(0.8, abs=0.02)
+    assert sum(int((p == 0).sum()) for n, p in soup.named_parameters() if n.endswith("weight")) > 0

@@ -203,7 +203,14 @@ class SparseModelSoup:
             starts, step = spec.start, steps
         candidates = {
             i: self.recalibrate(
-                self.train_replica(starts[i], steps[i], spec.hparams[i], spec.folder(i), **spec.trainer_kwargs(i))
+                self.train_replica(
+                    starts[i],
+                    steps[i],
+                    spec.hparams[i],
+                    spec.folder(i),
+                    check_mask=spec.exact_masks,
+                    **spec.trainer_kwargs(i),
+                )  # fmt: skip
             )
             for i in owned
         }
@@ -267,7 +274,14 @@ class SparseModelSoup:
 
     # -- units of work ---------------------------------------------------------------------------
     def train_replica(
-        self, start: nn.Module, step: PruningStep, args: SparseSoupConfig, name: str, callbacks=(), **trainer_kwargs
+        self,
+        start: nn.Module,
+        step: PruningStep,
+        args: SparseSoupConfig,
+        name: str,
+        callbacks=(),
+        check_mask: bool = True,
+        **trainer_kwargs,
     ) -> nn.Module:
         """Retrain a copy of ``start`` under ``step.masks`` into the checkpoint folder ``name`` (one that
         ``load_sparse`` and ``hf-sms merge`` read); a finished replica is loaded, not retrained.
@@ -283,10 +297,8 @@ class SparseModelSoup:
                     f"{folder} is not a readable checkpoint of this model ({e}); delete that folder to retrain the "
                     "replica, or use a fresh --output_dir"
                 ) from e
-            params = dict(model.named_parameters())
-            revived = [
-                n for n, m in step.masks.items() if bool((params[n].detach()[~m.to(params[n].device)] != 0).any())
-            ]
+            params, masks = dict(model.named_parameters()), step.masks if check_mask else {}
+            revived = [n for n, m in masks.items() if bool((params[n].detach()[~m.to(params[n].device)] != 0).any())]
             if revived:  # a checkpoint trained under another mask (copied in from elsewhere)
                 raise ValueError(
                     f"{folder} holds weights where this phase's mask prunes them (e.g. {revived[:3]}): it was trained "

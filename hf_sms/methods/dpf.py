@@ -20,14 +20,24 @@ from .gmp import GradualPruning, gradual, preflight, pruning_targets, sparsity_a
 
 class FeedbackMasking(MaskingPolicy):
     """DPF's masking: the weights stay dense between steps; forward and backward (and evaluation) run at the masked
-    weights, the optimizer updates the dense ones with the unmasked gradient (the error feedback). When training
-    ends the current mask is applied to the weights and the optimizer state, so the model is sparse."""
+    weights, the optimizer updates the dense ones with the unmasked gradient (the error feedback). The masks a
+    trainer starts with are not applied to the weights. When training ends the current mask is applied to the
+    weights and the optimizer state, so the model is sparse, unless ``keep_dense`` (a run that continues: the
+    part of DPF+SMS before its copies, and the copies, whose dense values the soup averages).
+    """
+
+    zeroes_at_start = False
+
+    def __init__(self, keep_dense: bool = False):
+        super().__init__()
+        self.keep_dense = keep_dense
 
     def forward_context(self):
         return self.enforcer.masked_weights()
 
     def end(self, optimizer) -> None:
-        self.enforcer.after_step(optimizer)
+        if not self.keep_dense:
+            self.enforcer.after_step(optimizer)
 
     @torch.no_grad()
     def sparsity(self) -> float:
@@ -73,23 +83,30 @@ class DynamicPruning(GradualPruning):
 
 
 def dpf(ctx):
-    """DPF through GMP's run: both the plain run and every SMS copy train under :class:`FeedbackMasking` with a
-    :class:`DynamicPruning` callback; the copies' mean is re-pruned to the phase's sparsity."""
+    """DPF through GMP's run: the plain run and every SMS copy train under :class:`FeedbackMasking` with a
+    :class:`DynamicPruning` callback. With SMS the copies keep their dense weights and are averaged as they are
+    (the ``mean`` soup: what DPF trains is the dense weights); each phase's mask is computed from that mean without
+    zeroing it, and a phase's soup is the mean under its mask."""
     a = ctx.args
 
     def callback(example_inputs=None):
         return DynamicPruning(a.pruning_steps, a.target_sparsity, a.allocation, a.dpf_interval, example_inputs)
 
-    plain = {"callbacks": [callback(ctx.example)], "masking": FeedbackMasking()}
-    return gradual(ctx, plain, lambda: {"callbacks": [callback()], "masking": FeedbackMasking()}, "reprune", False)
+    def plain(continues: bool) -> dict:
+        return {"callbacks": [callback(ctx.example)], "masking": FeedbackMasking(keep_dense=continues)}
+
+    def copy() -> dict:
+        return {"callbacks": [callback()], "masking": FeedbackMasking(keep_dense=True)}
+
+    return gradual(ctx, plain, copy, "mean", dense_phases=True)
 
 
 def _check(config) -> None:
     check_pruning_steps(config)
     if config.num_replicas > 1 and config.merge_methods != ["uniform"]:
         raise ValueError(
-            f"DPF's copies each move their own mask, so their soup is the uniform mean re-pruned to the phase's "
-            f"sparsity (the paper's); merge_methods={config.merge_methods} cannot apply: use ['uniform']"
+            f"DPF's copies each move their own mask and keep dense weights, so their soup is the uniform mean of those "
+            f"(masked by the next pruning step); merge_methods={config.merge_methods} cannot apply: use ['uniform']"
         )
     if not isinstance(config.dpf_interval, int) or config.dpf_interval < 1:
         raise ValueError(f"dpf_interval must be an integer >= 1 (iterations), got {config.dpf_interval!r}")

@@ -14,11 +14,13 @@ are the plain method in one uninterrupted run.
 
 from __future__ import annotations
 
+import copy
+
 from transformers import TrainerCallback
 
 from ..phase import PhaseSpec
 from ..pruning.allocations import get_allocation
-from ..pruning.masks import compute_masks, masks_from_model
+from ..pruning.masks import apply_masks, compute_masks, masks_from_model
 from ..registry import PRUNING_METHODS
 from ..seeding import derive_seed
 from .common import check_pruning_steps, single, sms_start_step, total_steps
@@ -162,18 +164,21 @@ class GradualPruning(TrainerCallback):
             self._maybe_prune(state, optimizer)
 
 
-def gradual(ctx, plain_kwargs: dict, copy_kwargs, soup: str, keep_masks: bool = True):
+def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = False):
     """Prune during one training run on GMP's schedule, +SMS per interval, through the loop's phase step.
 
     Args:
         ctx: the loop (:class:`~hf_sms.methods.common.MethodContext`).
-        plain_kwargs: trainer arguments of the plain run (its pruning callback, a masking policy).
+        plain_kwargs: ``fn(continues) -> dict``: trainer arguments of the plain run (its pruning callback, a masking
+            policy); ``continues`` says SMS phases follow it.
         copy_kwargs: ``fn() -> dict``: trainer arguments of each SMS copy.
         soup: the soup method that merges the copies.
-        keep_masks: carry each soup's mask into the next pruning step (GMP: masks only grow); ``False``: prune
-            from the weights alone (DPF).
+        dense_phases: DPF: the copies keep their dense weights, the soup is their plain mean, and each phase's mask
+            is computed from it without zeroing, so pruned values persist and may come back, as in plain DPF; the
+            soup a phase records (and the run returns) is that mean masked to the phase's sparsity. Otherwise
+            (GMP) every phase prunes its start and masks only grow.
     """
-    a, name = ctx.args, ctx.args.pruning_method
+    a, name, world = ctx.args, ctx.args.pruning_method, ctx.world
     total = total_steps(ctx)
     phases = gmp_phases(total, a.pruning_steps, a.target_sparsity)
     start = sms_start_step(ctx, total)
@@ -181,13 +186,15 @@ def gradual(ctx, plain_kwargs: dict, copy_kwargs, soup: str, keep_masks: bool = 
     split = sms[0][0] if sms else total  # the plain method runs uninterrupted up to here
     ctx.results["phases"] = [s for _, _, s in sms] or [a.target_sparsity]
     plain = single(a, max_steps=split, seed=derive_seed(a.seed, name, 0, 0))
-    model = ctx.train_single(ctx.pretrained, plain, f"{name}/plain", total_steps=total, **plain_kwargs)
+    model = ctx.train_single(ctx.pretrained, plain, f"{name}/plain", total_steps=total, **plain_kwargs(bool(sms)))
     if not sms:
         model = ctx.recalibrate(model)  # as every soup is, so that comparisons are fair (docs/method.md §5)
         ctx.recorder.row(name, len(ctx.results["phases"]) - 1, ctx.recorder.measure(model))
         return model
-    masks = masks_from_model(model) if keep_masks else None
+    masks, result = (None if dense_phases else masks_from_model(model)), None
     for p, (begin, end, sparsity) in enumerate(sms):
+        if dense_phases:  # the phase's mask from the dense weights, not applied: they keep their values
+            masks = world.broadcast_masks(compute_masks(model, sparsity, a.allocation, example_inputs=ctx.example))
         spec = PhaseSpec(
             index=p,
             sparsity=sparsity,
@@ -199,6 +206,8 @@ def gradual(ctx, plain_kwargs: dict, copy_kwargs, soup: str, keep_masks: bool = 
             ],
             folder=lambda i, p=p: f"{name}-sms/phase{p + 1}/replica{i}",
             soup=soup,
+            prune=not dense_phases,
+            exact_masks=not dense_phases,
             trainer_kwargs=lambda i, begin=begin: {
                 "lr_schedule": "original",
                 "step_offset": begin,
@@ -207,19 +216,24 @@ def gradual(ctx, plain_kwargs: dict, copy_kwargs, soup: str, keep_masks: bool = 
             },
         )
         result = ctx.run_phase(spec)
-        model, masks = result.soup, result.masks if keep_masks else None
+        model = result.soup
+        if dense_phases:  # what the phase gives is its mean under the phase's mask (DPF is judged sparse)
+            sparse = copy.deepcopy(model)
+            apply_masks(sparse, world.broadcast_masks(compute_masks(sparse, sparsity, a.allocation, None, ctx.example)))
+            result.soup = ctx.recalibrate(sparse)
+        else:
+            masks = result.masks
         ctx.recorder.sms(a.merge_methods[0], p, sparsity, result)
-    return model
+    return result.soup
 
 
 def gmp(ctx):
     """GMP: the plain run prunes with :class:`GradualPruning`; the copies train under the phase's mask."""
     a = ctx.args
     callback = GradualPruning(a.pruning_steps, a.target_sparsity, a.allocation, ctx.example)
-    return gradual(ctx, {"callbacks": [callback]}, dict, a.merge_methods[0])
+    return gradual(ctx, lambda continues: {"callbacks": [callback]}, dict, a.merge_methods[0])
 
 
-# `tiny`: settings for a seconds-long run (the contract tests run every method with them)
 def preflight(ctx) -> None:
     """The schedule fits the budget (a pruning step needs an interval): checked before the run folder is made."""
     gmp_phases(total_steps(ctx), ctx.args.pruning_steps, ctx.args.target_sparsity)

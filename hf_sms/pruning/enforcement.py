@@ -123,7 +123,9 @@ class MaskingPolicy:
     each forward and backward (and evaluation), ``before_step()`` once the gradients of a step are complete,
     ``after_step(optimizer)`` after each optimizer step, ``start(optimizer)`` when training begins,
     ``new_masks(optimizer)`` when the masks change, ``end(optimizer)`` when training ends, and
-    ``sparsity()`` to log."""
+    ``sparsity()`` to log. ``zeroes_at_start``: the trainer zeroes the pruned weights when it starts."""
+
+    zeroes_at_start = True
 
     def __init__(self):
         self.enforcer: MaskEnforcer | None = None

@@ -30,14 +30,16 @@ class SoupMethod:
             function (TIES-, DARE-style) gathers the candidates to every process.
         needs_validation: ``select`` evaluates trial soups (so it needs validation data; ``hf-sms merge`` cannot
             run it).
-        same_mask: the candidates must share one mask (checked); ``False``: the soup is re-pruned to the phase's
-            sparsity instead (IMP-RePrune, DPF's copies).
+        same_mask: the candidates must share one mask (checked); ``False``: their masks may differ.
+        reprune: with differing masks, magnitude-prune the soup to the phase's sparsity (IMP-RePrune); ``False``:
+            leave it as it is (DPF's dense copies, which the next pruning step masks).
     """
 
     select: Select
     combine: Combine | None = None
     needs_validation: bool = False
     same_mask: bool = True
+    reprune: bool = True
 
 
 def indicator_weights(indices: Sequence[int], n: int) -> list[float]:

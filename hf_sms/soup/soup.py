@@ -121,7 +121,7 @@ def soup(
         raise ValueError("nothing to soup: pass candidates, or a template in a process that holds none")
     if spec.same_mask and len(local) > 1:
         check_same_masks(list(local.values()))
-    if not spec.same_mask and sparsity is None:
+    if not spec.same_mask and spec.reprune and sparsity is None:
         raise ValueError("this soup re-prunes the mean of candidates with different masks: pass sparsity=")
     state = {i: m.state_dict() for i, m in local.items()}
     reference = template.state_dict()
@@ -129,7 +129,7 @@ def soup(
     def build(weights: list[float]) -> nn.Module:
         model = copy.deepcopy(template)
         model.load_state_dict(_combined(spec, world, state, weights, reference))
-        if not spec.same_mask:
+        if not spec.same_mask and spec.reprune:
             masks = compute_masks(model, sparsity, allocation, example_inputs=example_inputs)
             apply_masks(model, world.broadcast_masks(masks))
         return recalibrate(model) if recalibrate is not None else model
