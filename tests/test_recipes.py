@@ -222,7 +222,7 @@ def test_image_classification_recipe_on_an_imagefolder(tmp_path, model_name, mod
     )
     data = DataArguments(dataset_name="imagefolder", data_dir=str(tmp_path / "images"), test_split="test")
     args = _args(tmp_path, optim="sgd", learning_rate=0.01)
-    runner = recipe.main(model, data, args)
+    runner = recipe.main(model, data, OODArguments(), args)
     _check_run(tmp_path)
     if model_kwargs:  # the tiny MaxViT from model_kwargs, not the 15M-parameter default
         assert sum(p.numel() for p in runner.pretrained.parameters()) < 50_000

@@ -178,7 +178,7 @@ def test_greedy_trajectory_continues_from_the_greedy_soup(tmp_path):
         merged.append((spec.soup, {k: v.clone() for k, v in result.soup.state_dict().items()}, result.kept))
         return result
 
-    def spy_train(start, step, hparams, name):
+    def spy_train(start, step, hparams, name, **kwargs):
         starts[name] = {k: v.clone() for k, v in start.state_dict().items()}
         return train_replica(start, step, hparams, name)
 
@@ -236,7 +236,7 @@ def test_imp_mx_gets_the_compute_sms_spends_in_each_phase(tmp_path):
     runner = SparseModelSoup(MLP(), args, train, ClassificationAccuracy(), eval_dataset=val)
     original = runner.train_replica
 
-    def spy(start, step, hparams, name):
+    def spy(start, step, hparams, name, **kwargs):
         seen[name] = hparams.num_train_epochs
         return original(start, step, hparams, name)
 

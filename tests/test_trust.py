@@ -318,3 +318,33 @@ def test_dpf_sms_copies_start_from_the_dense_mean_not_a_zeroed_model(tmp_path, d
     assert len(starts) == 2 and starts[1] > 0  # phase 2 starts with values under its mask: they may come back
     assert runner.results["rows"]["sms_uniform"][-1]["sparsity"] == pytest.approx(0.8, abs=0.02)
     assert sum(int((p == 0).sum()) for n, p in soup.named_parameters() if n.endswith("weight")) > 0
+
+
+# -- 15: pretraining keeps the paper's global batch whatever the number of processes ---------------------------
+def test_pretraining_splits_the_global_batch_over_the_processes(tmp_path, digits, monkeypatch):
+    from conftest import make_cnn
+
+    import hf_sms.scripts as scripts
+    from hf_sms import SparseSoupConfig
+
+    train, _, _ = digits
+    seen = {}
+
+    class Spy(scripts._Pretrainer):
+        def __init__(self, model, args, **kwargs):
+            seen["per_device"] = args.per_device_train_batch_size
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(scripts, "_Pretrainer", Spy)
+    monkeypatch.setattr(scripts, "launched_world_size", lambda: 2)
+    args = SparseSoupConfig(
+        output_dir=str(tmp_path / "run"), pretrain_epochs=1, per_device_train_batch_size=128, report_to="none",
+        use_cpu=True,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="stop here"):
+        scripts.pretrain(make_cnn(), args, train, str(tmp_path / "dense"))
+    assert seen["per_device"] == 64  # 2 x 64 = the global 128
+    odd = SparseSoupConfig(output_dir=str(tmp_path / "run"), pretrain_epochs=1, per_device_train_batch_size=127,
+                           report_to="none", use_cpu=True)  # fmt: skip
+    with pytest.raises(ValueError, match="launch a number of processes that divides it"):
+        scripts.pretrain(make_cnn(), odd, train, str(tmp_path / "dense2"))

@@ -204,9 +204,7 @@ class RunDirectory:
                     "tell whether the finished replicas were trained on this data: pass resume='force' (--resume "
                     "force) if it is the same data, or use a fresh --output_dir"
                 )
-            if changed and self._trained_nothing():  # e.g. a schedule mistake found after run.json was written
-                save_results(self.fingerprint, run_file)
-            elif changed:
+            if changed:
                 raise ValueError(
                     f"{self.root} holds a run made from something else (changed: {changed}); use a fresh "
                     "--output_dir, or delete the old run to start over"
