@@ -9,7 +9,8 @@ candidates, soups and baselines on 50k images.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +22,17 @@ from ..batchnorm import forward_batch
 MetricFn = Callable[[nn.Module, object], float]
 
 
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[torch.device]:
+    """Eval mode inside the block, the model's training mode restored after (also on error); yields its device."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield next(model.parameters()).device
+    finally:
+        model.train(was_training)
+
+
 def _logits(outputs) -> torch.Tensor:
     return outputs.logits if hasattr(outputs, "logits") else outputs
 
@@ -30,15 +42,12 @@ def predict_proba(
     model: nn.Module, dataset, batch_size: int = 256, collate_fn=None, loader_kwargs: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax probabilities and labels of a classifier over ``dataset`` (dicts with a ``labels`` key)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
     probs, labels = [], []
     loader = DataLoader(dataset, batch_size, collate_fn=collate_fn or default_data_collator, **(loader_kwargs or {}))
-    for batch in loader:
-        probs.append(_logits(forward_batch(model, batch, device)).float().softmax(-1).cpu())
-        labels.append(batch["labels"])
-    model.train(was_training)
+    with evaluating(model) as device:
+        for batch in loader:
+            probs.append(_logits(forward_batch(model, batch, device)).float().softmax(-1).cpu())
+            labels.append(batch["labels"])
     return torch.cat(probs), torch.cat(labels)
 
 
@@ -86,21 +95,19 @@ class BleuMetric:
     def __call__(self, model: nn.Module, dataset) -> float:
         import sacrebleu
 
-        was_training = model.training
-        model.eval()
-        device = next(model.parameters()).device
         hyps, refs = [], []
-        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn, **self.loader_kwargs):
-            out = model.generate(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
-                max_new_tokens=self.max_new_tokens,
-                num_beams=self.num_beams,
-            )
-            labels = batch["labels"].masked_fill(batch["labels"] == -100, self.tokenizer.pad_token_id)
-            hyps += self.tokenizer.batch_decode(out, skip_special_tokens=True)
-            refs += self.tokenizer.batch_decode(labels, skip_special_tokens=True)
-        model.train(was_training)
+        loader = DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn, **self.loader_kwargs)
+        with evaluating(model) as device:
+            for batch in loader:
+                out = model.generate(
+                    input_ids=batch["input_ids"].to(device),
+                    attention_mask=batch["attention_mask"].to(device),
+                    max_new_tokens=self.max_new_tokens,
+                    num_beams=self.num_beams,
+                )
+                labels = batch["labels"].masked_fill(batch["labels"] == -100, self.tokenizer.pad_token_id)
+                hyps += self.tokenizer.batch_decode(out, skip_special_tokens=True)
+                refs += self.tokenizer.batch_decode(labels, skip_special_tokens=True)
         return float(sacrebleu.corpus_bleu([h.strip() for h in hyps], [[r.strip() for r in refs]]).score)
 
 
@@ -120,17 +127,15 @@ class MeanIoU:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, dataset) -> float:
-        was_training = model.training
-        model.eval()
-        device = next(model.parameters()).device
         confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.long)
-        for batch in DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn, **self.loader_kwargs):
-            pred = _logits(forward_batch(model, batch, device)).argmax(1).cpu()
-            labels = batch["labels"]
-            keep = labels != self.ignore_index
-            idx = labels[keep] * self.num_classes + pred[keep]
-            confusion += torch.bincount(idx, minlength=self.num_classes**2).view(self.num_classes, -1)
-        model.train(was_training)
+        loader = DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn, **self.loader_kwargs)
+        with evaluating(model) as device:
+            for batch in loader:
+                pred = _logits(forward_batch(model, batch, device)).argmax(1).cpu()
+                labels = batch["labels"]
+                keep = labels != self.ignore_index
+                idx = labels[keep] * self.num_classes + pred[keep]
+                confusion += torch.bincount(idx, minlength=self.num_classes**2).view(self.num_classes, -1)
         inter = confusion.diag().double()
         union = confusion.sum(0).double() + confusion.sum(1).double() - inter
         present = union > 0
@@ -156,18 +161,15 @@ class EvaluateMetric:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, dataset) -> float:
-        was_training = model.training
-        model.eval()
-        device = next(model.parameters()).device
         loader = DataLoader(
             dataset, self.batch_size, collate_fn=self.collate_fn or default_data_collator, **self.loader_kwargs
         )
         predictions, references = [], []
-        for batch in loader:
-            logits = _logits(forward_batch(model, batch, device))
-            predictions.append(logits.argmax(1 if logits.dim() > 2 else -1).cpu().reshape(-1))
-            references.append(batch["labels"].reshape(-1))
-        model.train(was_training)
+        with evaluating(model) as device:
+            for batch in loader:
+                logits = _logits(forward_batch(model, batch, device))
+                predictions.append(logits.argmax(1 if logits.dim() > 2 else -1).cpu().reshape(-1))
+                references.append(batch["labels"].reshape(-1))
         result = self.module.compute(
             predictions=torch.cat(predictions).tolist(), references=torch.cat(references).tolist()
         )

@@ -163,6 +163,7 @@ class SparseModelSoup:
                 )
                 if a.push_to_hub:
                     self.push(soup_dir)
+            self.world.barrier()  # every rank leaves together: none tears its transport down under another
         finally:
             self.run_dir.close()
         return self.final_soup
