@@ -118,6 +118,12 @@ for _schedule in (ft, lrw, slr, clr, llr, allr):  # lr(step, ctx) each
     RETRAIN_SCHEDULES.add(_schedule.__name__, _schedule)
 
 
+def steps_per_epoch(num_examples: int, batch_size: int, world_size: int, accumulation: int) -> int:
+    """Optimizer steps in one pass over ``num_examples`` split across ``world_size`` ranks."""
+    batches = math.ceil(num_examples / (batch_size * world_size))
+    return max(math.ceil(batches / accumulation), 1)
+
+
 def allr_start_lr(norm_fraction: float, phase_fraction: float, lr_max: float, length_ratio: float) -> float:
     """ALLR's start rate ``clip(d / sqrt(q) * eta_max, min(R/T, 1) * eta_max, eta_max)``.
 

@@ -19,7 +19,7 @@ from .config import SparseSoupConfig
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
 from .pruning.masks import PruningStep, apply_masks, prune
 from .pruning.prunable import Masks
-from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler
+from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
 from .seeding import EpochShuffleSampler
 
 
@@ -189,10 +189,11 @@ class SparseSoupTrainer(Trainer):
         args = self.args
         try:
             world = torch.distributed.get_world_size(self.process_group) if self.process_group else args.world_size
-            per_epoch = math.ceil(len(self.train_dataset) / (args.train_batch_size * world))
+            examples = len(self.train_dataset)
         except TypeError:  # iterable dataset
             return float(args.num_train_epochs)
-        return num_training_steps / max(math.ceil(per_epoch / args.gradient_accumulation_steps), 1)
+        accumulation = args.gradient_accumulation_steps
+        return num_training_steps / steps_per_epoch(examples, args.train_batch_size, world, accumulation)
 
     def _original_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None):
         total = self.total_steps or self.step_offset + num_training_steps

@@ -10,12 +10,12 @@ following the original LR schedule (``lr_scheduler_type``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Protocol
 
 from torch import nn
 
 from ..pruning.masks import PruningStep
+from ..schedules import steps_per_epoch
 
 
 class MethodContext(Protocol):
@@ -46,8 +46,10 @@ def total_steps(ctx: MethodContext) -> int:
     a = ctx.args
     if a.max_steps > 0:
         return a.max_steps
-    batches = math.ceil(len(ctx.train_dataset) / (a.per_device_train_batch_size * ctx.world.group_size))
-    return round(a.num_train_epochs * math.ceil(batches / a.gradient_accumulation_steps))
+    per_epoch = steps_per_epoch(
+        len(ctx.train_dataset), a.per_device_train_batch_size, ctx.world.group_size, a.gradient_accumulation_steps
+    )
+    return round(a.num_train_epochs * per_epoch)
 
 
 def single(args, **fields):
