@@ -19,6 +19,11 @@ from .pruning.masks import PruningStep
 from .pruning.prunable import Masks
 
 
+def phase_folder(run: str, index: int) -> str:
+    """Where phase ``index`` (0-based) of the trajectory ``run`` keeps its replicas: ``run/phase{index + 1}``."""
+    return f"{run}/phase{index + 1}"
+
+
 @dataclass
 class PhaseSpec:
     """What one phase does.
@@ -30,7 +35,8 @@ class PhaseSpec:
             per replica, each pruned on its own (independent tracks: no broadcast).
         masks: the previous phase's masks (``{i: masks}`` with per-replica starts); masks only grow.
         hparams: one config per replica (m = ``len(hparams)``).
-        folder: replica i is saved to ``folder(i)``, a path inside the run folder.
+        folder: the phase's folder inside the run folder (see :func:`phase_folder`); replica i is saved to
+            ``folder/{member}{i}``.
         soup: the soup method (a name in ``SOUPS``), or ``None``: no soup, the candidates are the result.
         prune: prune at the start of the phase (``False``: train under the given masks only).
         exact_masks: the replicas end with the phase's mask (a finished replica loaded on resume is checked
@@ -45,12 +51,16 @@ class PhaseSpec:
     start: nn.Module | dict[int, nn.Module]
     masks: Masks | dict[int, Masks] | None
     hparams: list
-    folder: Callable[[int], str]
+    folder: str
     soup: str | None = "uniform"
     prune: bool = True
     exact_masks: bool = True
     allocation: str | None = None
     trainer_kwargs: Callable[[int], dict] = field(default=lambda i: {})
+    member: str = "replica"  # "track" for independent IMP runs
+
+    def replica_folder(self, i: int) -> str:
+        return f"{self.folder}/{self.member}{i}"
 
     @property
     def shared(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from ..phase import PhaseSpec
+from ..phase import PhaseSpec, phase_folder
 from ..registry import BASELINES
 from ..seeding import derive_seed
 from ..soup.soup import soup
@@ -25,7 +25,8 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False) -> None:
         for i in range(n_tracks):
             h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))
             hparams.append(dataclasses.replace(h, **args.phase_budget(p)) if times_m else h)  # IMP_mx: SMS's compute
-        spec = PhaseSpec(p, sparsity, tracks, masks, hparams, lambda i, p=p: f"{name}/phase{p + 1}/track{i}", soup=None)
+        folder = phase_folder(name, p)
+        spec = PhaseSpec(p, sparsity, tracks, masks, hparams, folder, soup=None, member="track")
         result = ctx.run_phase(spec)  # no mask broadcast: IMP runs are independent
         tracks, masks = result.candidates, result.masks
         ctx.recorder.row(name, p, world.gather({0: ctx.recorder.measure(tracks[0])} if 0 in tracks else {})[0])

@@ -23,7 +23,7 @@ from ..evaluation.metrics import MetricFn, as_metric
 from ..evaluation.named import named_tests
 from ..hub import push_to_hub
 from ..methods.common import empty_step
-from ..phase import PhaseResult, PhaseSpec
+from ..phase import PhaseResult, PhaseSpec, phase_folder
 from ..pruning.masks import PruningStep, phase_sparsities, prune
 from ..pruning.prunable import accepts_labels
 from ..registry import BASELINES, PRUNING_METHODS
@@ -174,9 +174,9 @@ class SparseModelSoup:
         model, masks = copy.deepcopy(self.pretrained), None
         for p, sparsity in enumerate(self.results["phases"]):
             # Phase 1 starts from the same pruned model in every trajectory: its replicas are trained once.
-            folder = f"sms/phase{p + 1}" if p == 0 or method == a.merge_methods[0] else f"sms-{method}/phase{p + 1}"
+            folder = phase_folder("sms" if p == 0 or method == a.merge_methods[0] else f"sms-{method}", p)
             hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
-            spec = PhaseSpec(p, sparsity, model, masks, hparams, lambda i, f=folder: f"{f}/replica{i}", soup=method)
+            spec = PhaseSpec(p, sparsity, model, masks, hparams, folder, soup=method)
             result = self.run_phase(spec)
             model, masks = result.soup, result.masks
             self.recorder.sms(method, p, sparsity, result, primary=method == a.merge_methods[0])
@@ -208,7 +208,7 @@ class SparseModelSoup:
                     starts[i],
                     steps[i],
                     spec.hparams[i],
-                    spec.folder(i),
+                    spec.replica_folder(i),
                     check_mask=spec.exact_masks,
                     **spec.trainer_kwargs(i),
                 )  # fmt: skip

@@ -18,7 +18,7 @@ import copy
 
 from transformers import TrainerCallback
 
-from ..phase import PhaseSpec
+from ..phase import PhaseSpec, phase_folder
 from ..pruning.allocations import get_allocation
 from ..pruning.masks import apply_masks, compute_masks, masks_from_model
 from ..registry import PRUNING_METHODS
@@ -204,7 +204,7 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
                 single(a, max_steps=end - begin, seed=derive_seed(a.seed, name, p + 1, i))
                 for i in range(a.num_replicas)
             ],
-            folder=lambda i, p=p: f"{name}-sms/phase{p + 1}/replica{i}",
+            folder=phase_folder(f"{name}-sms", p),
             soup=soup,
             prune=not dense_phases,
             exact_masks=not dense_phases,
