@@ -78,7 +78,8 @@ def measured_line(runs: list[dict]) -> str:
     lines = []
     for run in runs:
         record = run.get("measured_speedup")
-        final = next(iter(run["rows"].values()))[-1].get("speedup")
+        rows = run["rows"]
+        final = rows.get(run.get("final_row"), next(iter(rows.values())))[-1].get("speedup")  # older files: first
         flops = f"{final:.2f}x" if isinstance(final, (int, float)) else "-"
         lines.append(f"final soup speedup: {flops} in FLOPs, measured {format_measured(record)}")
     return "\n".join(lines)

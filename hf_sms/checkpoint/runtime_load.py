@@ -17,8 +17,9 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 
+from ..pruning.prunable import is_conv1d
 from ..runtime import RuntimeReport
-from ..runtime.convert import Swap, _candidates, _set, check_request, finish, plan
+from ..runtime.convert import MARGIN, REPEATS, Swap, _candidates, _set, check_request, finish, plan
 from ..runtime.layers import SparseConv2d, SparseEmbedding, SparseLinear, csr_from_positions
 from .masks import MaskStats, eligible, positions_mask
 from .reader import SparseCheckpoint, check_masks
@@ -90,13 +91,13 @@ def load_runtime(
     try:
         for name, module, kind, weight in candidates:
             key = keys[f"{name}.weight"]
-            transposed = type(module).__name__ == "Conv1D"  # stores (in, out); the runtime multiplies by (out, in)
+            transposed = is_conv1d(module)  # stores (in, out); the runtime multiplies by (out, in)
             if (key, transposed) not in shared:
                 positions, values, shape = reads.get(key)
                 if stats is not None and key not in stats.per_tensor:
                     stats.add(key, positions_mask(positions, weight.numel()), "", shape)
                 sparsity = 1.0 - positions.numel() / max(weight.numel(), 1)
-                choice = plan(report, name, module, kind, _Shape(weight, values), sparsity, "csr", min_sparsity)
+                choice = plan(report, name, module, kind, values, sparsity, "csr", min_sparsity)
                 if choice.layout == "dense":
                     continue
                 matrix = (shape[0], weight.numel() // shape[0])
@@ -117,7 +118,7 @@ def load_runtime(
             elif kind == "linear":
                 sparse = SparseLinear(csr, bias, transposed)
             else:
-                sparse = SparseConv2d.from_csr(module, csr, bias)
+                sparse = SparseConv2d(module, csr, bias)
             _set(model, name, sparse)
             swaps[name] = Swap(None, sparse)
             done.add(f"{name}.weight")
@@ -130,7 +131,8 @@ def load_runtime(
     if not swaps:
         model.eval()
         return model
-    finish(model, report, swaps, sample_input, 1.1, 7, device, measure=False)
+    # the whole model is not timed here: that would densify every chosen layer (measure_speedup does it)
+    finish(model, report, swaps, sample_input, MARGIN, REPEATS, device, measure=False)
     return model
 
 
@@ -159,16 +161,6 @@ class _Prefetch:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _Shape:
-    """What :func:`plan` reads of a weight it must not see dense: shape, dtype, device and the 2:4 test."""
-
-    def __init__(self, weight: torch.Tensor, values: torch.Tensor):
-        self.shape, self.dtype, self.device = weight.shape, values.dtype, values.device
-
-    def __eq__(self, other):  # plan() only calls is_two_four on linear layers under semi_structured layouts
-        raise TypeError("not available for a weight loaded sparse-first")
 
 
 def _own_tensors(model: nn.Module):

@@ -109,12 +109,16 @@ class Recorder:
             log_diversity(diag)
         self.save()
 
-    def final_metrics(self, merge_method: str, pruning_method: str) -> dict:
+    def final_row(self, merge_method: str, pruning_method: str) -> str:
+        """The row of the final soup: the SMS trajectory of ``merge_method``, else the pruning method's own."""
+        name = f"sms_{merge_method}"
+        return name if name in self.results["rows"] else pruning_method
+
+    def final_metrics(self) -> dict:
         """What the final soup's ``sparsity.json`` and model card report: every evaluation of the soup beside the
         dense model, each with its metric's name and split (see :func:`hf_sms.hub.card_metrics`), the FLOP
         speedup and the measured one."""
-        rows = self.results["rows"]
-        row = rows.get(f"sms_{merge_method}", rows.get(pruning_method, [{}]))[-1]
+        row = self.results["rows"].get(self.results["final_row"], [{}])[-1]
         results = []
         for model, measured in (("soup", row), ("dense", self.results.get("dense", {}))):
             evaluations = [("validation", measured.get("val"), self.metric_fn)]

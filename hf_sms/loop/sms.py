@@ -10,6 +10,7 @@ import os
 import time
 
 import torch
+from accelerate.utils import send_to_device
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
@@ -146,6 +147,7 @@ class SparseModelSoup:
             else:
                 soups = {method: self.run_trajectory(method) for method in a.merge_methods}
                 self.final_soup = soups[a.merge_methods[0]]
+            self.results["final_row"] = self.recorder.final_row(a.merge_methods[0], a.pruning_method)
             for name in a.baselines:
                 BASELINES.get(name)(self)
             if self.world.is_main and a.measure_speedup:
@@ -153,7 +155,7 @@ class SparseModelSoup:
             self.recorder.save()
             if self.world.is_main:
                 soup_dir = self.run_dir.path(FINAL_SOUP)
-                metrics = self.recorder.final_metrics(a.merge_methods[0], a.pruning_method)
+                metrics = self.recorder.final_metrics()
                 save_sparse(
                     self.final_soup,
                     soup_dir,
@@ -265,13 +267,12 @@ class SparseModelSoup:
 
     def measure_runtime(self, model: nn.Module) -> dict:
         """``model`` timed dense vs the sparse runtime on one validation batch (see :func:`measure_speedup`)."""
-        batch = self.example
+        batch = send_to_device(self.example, next(model.parameters()).device)  # once, outside the timed calls
 
         def forward(m):
             forward_batch(m, batch, keep_labels=accepts_labels(m))
 
-        forward.description = describe_input(batch)
-        return measure_speedup(model, forward)
+        return measure_speedup(model, forward, description=describe_input(batch))
 
     # -- units of work ---------------------------------------------------------------------------
     def train_replica(

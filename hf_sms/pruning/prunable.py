@@ -34,7 +34,7 @@ _WEIGHTS_BY_TYPE: list[tuple[type | tuple[type, ...], str, tuple[str, ...]]] = [
 ]
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     """transformers' GPT-2 style Conv1D: a linear layer whose weight is stored (in, out)."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
@@ -44,7 +44,7 @@ def _kind_and_attributes(module: nn.Module) -> tuple[str, tuple[str, ...]] | Non
         if isinstance(module, types):
             return kind, attributes
     # transformers' GPT-2 style Conv1D is a linear layer with a transposed weight.
-    if _is_conv1d(module):
+    if is_conv1d(module):
         return "linear", ("weight",)
     return None
 
@@ -109,7 +109,7 @@ def prunable_tensors(model: nn.Module) -> list[PrunableTensor]:
             if id(weight) in seen or id(weight) not in names:
                 continue
             seen.add(id(weight))
-            layout = (bool(module.transposed), int(module.groups)) if entry[0] == "conv" else (_is_conv1d(module), 1)
+            layout = (bool(module.transposed), int(module.groups)) if entry[0] == "conv" else (is_conv1d(module), 1)
             out.append(PrunableTensor(names[id(weight)], weight, entry[0], tuple(uses[id(weight)]), *layout))
     return out
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from ..pruning.prunable import is_conv1d
 from .layers import (
     SemiStructuredLinear,
     SparseConv2d,
@@ -27,6 +28,7 @@ from .layers import (
     check_csr_dtype,
     check_semi_structured,
     dense_module,
+    has_sparse_product,
     is_two_four,
     to_csr,
 )
@@ -92,6 +94,10 @@ class RuntimeReport:
 _PLAIN = (nn.Linear, nn.Conv2d, nn.Embedding)
 
 
+MARGIN = 1.1  # under "auto", a layer turns sparse only if its sparse product is this much faster
+REPEATS = 7  # timed repeats per layer (medians)
+
+
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
     """``(name, module, kind, 2-D weight)`` of every layer the runtime can compute sparsely."""
     inside_mha = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
@@ -103,7 +109,7 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tenso
             continue
         if isinstance(module, nn.Linear) and id(module) not in inside_mha:
             out.append((name, module, "linear", module.weight))
-        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' GPT-2 layers: x @ W
+        elif is_conv1d(module):  # transformers' GPT-2 layers: x @ W
             out.append((name, module, "linear", module.weight.t()))
         elif isinstance(module, nn.Conv2d):
             kind = "conv1x1" if module.kernel_size == (1, 1) and module.padding == (0, 0) else "conv"
@@ -121,7 +127,7 @@ def _sparse_module(module: nn.Module, kind: str, weight: torch.Tensor, layout: s
         return SemiStructuredLinear(weight.detach(), bias)
     if kind == "conv" or kind == "conv1x1":
         return SparseConv2d(module)
-    transposed = weight is not module.weight
+    transposed = is_conv1d(module)
     key = (id(module.weight), transposed)
     if key not in shared:
         shared[key] = to_csr(weight.detach())
@@ -130,17 +136,15 @@ def _sparse_module(module: nn.Module, kind: str, weight: torch.Tensor, layout: s
     return SparseLinear(shared[key], bias, transposed)
 
 
-def _unsupported(module: nn.Module, kind: str, weight: torch.Tensor, layout: str) -> str | None:
+def _unsupported(module: nn.Module, kind: str, layout: str) -> str | None:
     """Why ``module`` cannot run in ``layout`` (``None`` if it can)."""
     if kind == "embedding":
         return "max_norm renormalises looked-up rows: kept dense" if module.max_norm is not None else None
     if kind != "linear" and layout == "semi_structured":
         return "2:4 kernels take linear layers only"
-    if kind != "linear" and (module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str)):
+    if kind != "linear" and not has_sparse_product(module):
         return "grouped, depthwise or non-zero-padded conv: no sparse product"
-    if layout == "semi_structured" and not is_two_four(weight):
-        return "not 2:4 sparse"
-    return None
+    return None  # a forced 2:4 layout checks the mask in plan(); auto picks 2:4 only for 2:4 weights
 
 
 def _run(model: nn.Module, sample_input) -> None:
@@ -159,18 +163,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_pair(first: Callable[[], object], second: Callable[[], object], repeats: int, device) -> tuple[float, float]:
-    """Median milliseconds of two workloads timed side by side (interleaved, after one warm-up each)."""
-    first(), second()
-    times: tuple[list[float], list[float]] = ([], [])
+def median_ms(workloads: list[Callable[[], object]], repeats: int, device) -> list[float]:
+    """Median milliseconds of each workload, timed side by side (interleaved, after one warm-up each)."""
+    for fn in workloads:
+        fn()
+    times: list[list[float]] = [[] for _ in workloads]
     for _ in range(repeats):
-        for fn, out in ((first, times[0]), (second, times[1])):
+        for fn, out in zip(workloads, times):
             _sync(device)
             start = time.perf_counter()
             fn()
             _sync(device)
             out.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(t) for t in times]
+
+
+def time_pair(first: Callable[[], object], second: Callable[[], object], repeats: int, device) -> tuple[float, float]:
+    """Median milliseconds of two workloads timed side by side (see :func:`median_ms`)."""
+    a, b = median_ms([first, second], repeats, device)
+    return a, b
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -197,8 +208,8 @@ def to_sparse_runtime(
     sample_input=None,
     *,
     min_sparsity: float = 0.5,
-    margin: float = 1.1,
-    repeats: int = 7,
+    margin: float = MARGIN,
+    repeats: int = REPEATS,
 ) -> nn.Module:
     """Make a pruned model compute with sparse kernels, in place, for inference.
 
@@ -280,10 +291,11 @@ def _semi_structured_device(device: torch.device) -> bool:
 
 
 def plan(report, name, module, kind, weight, sparsity, target, min_sparsity) -> LayerChoice:
-    """Record the layer in ``report`` and whether it may turn ``target``; raises where a forced layout cannot."""
+    """Record the layer in ``report`` and whether it may turn ``target``; raises where a forced layout cannot.
+    ``weight`` gives the dtype and device (loading sparse-first passes the stored values: it has no dense weight)."""
     choice = LayerChoice(name, kind, tuple(module.weight.shape), sparsity)
     report.layers.append(choice)
-    why = _unsupported(module, kind, weight, target)
+    why = _unsupported(module, kind, target)
     if kind == "embedding" and not why and sparsity >= min_sparsity:  # a lookup: kept for its memory, not timed
         check_csr_dtype(weight.dtype, weight.device)
         choice.layout, choice.reason = "csr", "memory: rows gathered from CSR (the whole model is timed)"
@@ -356,6 +368,10 @@ def _decide(model, swaps: dict[str, Swap], by_name, sample_input, margin, repeat
 def _time_whole_model(model, swaps: dict[str, Swap], by_name, report, sample_input, repeats, device) -> None:
     """Dense vs runtime latency of the whole model on the sample; a runtime slower than dense is undone."""
     chosen = [n for n in swaps if by_name[n].layout != "dense"]
+    if not chosen:  # nothing runs sparse: the runtime is the dense model, timed once
+        (report.dense_ms,) = median_ms([lambda: _run(model, sample_input)], max(3, repeats // 2), device)
+        report.runtime_ms = report.dense_ms
+        return
     dense = {n: swaps[n].dense_or_built() for n in chosen}
 
     def use(sparse: bool):

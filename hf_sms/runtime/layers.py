@@ -133,11 +133,6 @@ class SparseLinear(_InferenceOnly):
         self.register_buffer("weight", weight, persistent=False)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
 
-    @classmethod
-    def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool = False) -> SparseLinear:
-        """From the (out, in) dense weight."""
-        return cls(to_csr(weight), bias, transposed)
-
     def dense_weight(self) -> torch.Tensor:
         dense = self.weight.to_dense()
         return dense.t().contiguous() if self.transposed else dense
@@ -157,35 +152,31 @@ class SparseLinear(_InferenceOnly):
         return f"in_features={self.in_features}, out_features={self.out_features}, nnz={nnz}, layout=csr"
 
 
+def has_sparse_product(conv: nn.Conv2d) -> bool:
+    """Whether a convolution is one unfolded matrix product: ``groups=1`` and numeric zero padding."""
+    return conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
+
+
 class SparseConv2d(_InferenceOnly):
     """A 2-D convolution as a CSR product: 1x1 kernels directly, kxk kernels on unfolded patches (im2col).
 
     Args:
-        conv: the dense ``nn.Conv2d`` (zero padding, ``groups=1``) it replaces.
+        conv: the dense ``nn.Conv2d`` (zero padding, ``groups=1``) it replaces; it gives the geometry.
+        weight, bias: the CSR (out, in * kh * kw) weight and the bias, when ``conv`` holds none (a model built on
+            the meta device and loaded sparse-first); by default ``conv``'s own.
     """
 
-    def __init__(self, conv: nn.Conv2d):
+    def __init__(self, conv: nn.Conv2d, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
         super().__init__()
-        self._geometry(conv)
-        self.register_buffer("weight", to_csr(conv.weight.detach().reshape(conv.out_channels, -1)), persistent=False)
-        self.bias = nn.Parameter(conv.bias.detach(), requires_grad=False) if conv.bias is not None else None
-
-    @classmethod
-    def from_csr(cls, conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor | None) -> SparseConv2d:
-        """From a CSR (out, in * kh * kw) weight; ``conv`` (possibly on the meta device) gives the geometry."""
-        layer = cls.__new__(cls)
-        _InferenceOnly.__init__(layer)
-        layer._geometry(conv)
-        layer.register_buffer("weight", weight, persistent=False)
-        layer.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
-        return layer
-
-    def _geometry(self, conv: nn.Conv2d) -> None:
-        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        if not has_sparse_product(conv):
             raise ValueError("only groups=1 convolutions with numeric zero padding have a sparse product")
         for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
             setattr(self, attr, getattr(conv, attr))
         self.padding_mode = "zeros"
+        if weight is None:
+            weight, bias = to_csr(conv.weight.detach().reshape(conv.out_channels, -1)), conv.bias
+        self.register_buffer("weight", weight, persistent=False)
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
 
     @property
     def pointwise(self) -> bool:
@@ -243,14 +234,15 @@ class SparseEmbedding(_InferenceOnly):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).long()
-        crow, col, values = self.weight.crow_indices().long(), self.weight.col_indices().long(), self.weight.values()
-        start = crow[flat]
-        counts = crow[flat + 1] - start
+        # only the looked-up rows' indices are widened to int64: the whole table's per call would dominate decoding
+        crow, col, values = self.weight.crow_indices(), self.weight.col_indices(), self.weight.values()
+        start = crow[flat].long()
+        counts = crow[flat + 1].long() - start
         rows = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), counts)
         first = torch.repeat_interleave(start - (counts.cumsum(0) - counts), counts)
         taken = first + torch.arange(rows.numel(), device=flat.device)
         out = torch.zeros(flat.numel(), self.embedding_dim, dtype=values.dtype, device=values.device)
-        out[rows, col[taken]] = values[taken]
+        out[rows, col[taken].long()] = values[taken]
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -279,9 +271,6 @@ class SemiStructuredLinear(_InferenceOnly):
 
     def _compress(self, dense: torch.Tensor) -> torch.Tensor:
         return torch.sparse.to_sparse_semi_structured(dense.detach().contiguous())
-
-    def dense_weight(self) -> torch.Tensor:
-        return self.weight.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)

@@ -19,7 +19,7 @@ from .layers import weight_bytes
 def describe_input(sample) -> str:
     """A short description of a sample input's shapes, e.g. ``"input_ids 1x32"``."""
     if callable(sample) and not torch.is_tensor(sample):
-        return getattr(sample, "description", "a callable workload")
+        return "a callable workload"
     if isinstance(sample, Mapping):
         return ", ".join(f"{k} {'x'.join(map(str, v.shape))}" for k, v in sample.items() if torch.is_tensor(v))
     if isinstance(sample, (tuple, list)):
@@ -28,7 +28,9 @@ def describe_input(sample) -> str:
 
 
 @torch.no_grad()
-def measure_speedup(model: nn.Module, sample_input, *, layout: str = "auto", repeats: int = 7) -> dict:
+def measure_speedup(
+    model: nn.Module, sample_input, *, layout: str = "auto", repeats: int = 7, description: str | None = None
+) -> dict:
     """Time ``model`` dense against a sparse-runtime copy of it on ``sample_input`` (the model is not changed).
 
     Args:
@@ -36,17 +38,13 @@ def measure_speedup(model: nn.Module, sample_input, *, layout: str = "auto", rep
         sample_input: as in :func:`hf_sms.to_sparse_runtime` (a batch, or a callable ``fn(model)``).
         layout: the runtime layout to measure.
         repeats: interleaved timed repeats (medians).
+        description: what the record names as its input (default: ``sample_input``'s shapes).
 
     Returns:
         ``{"speedup", "dense_ms", "runtime_ms", "device", "threads", "input", "layout", "sparse_layers",
         "dense_weights_mb", "runtime_weights_mb"}`` (JSON-able).
     """
-    was_training = model.training
-    model.eval()
-    try:
-        runtime = to_sparse_runtime(copy.deepcopy(model), layout, sample_input, repeats=repeats)
-    finally:
-        model.train(was_training)
+    runtime = to_sparse_runtime(copy.deepcopy(model), layout, sample_input, repeats=repeats)  # runs in eval mode
     report = runtime.hf_sms_runtime
     return {
         "speedup": report.speedup,
@@ -54,7 +52,7 @@ def measure_speedup(model: nn.Module, sample_input, *, layout: str = "auto", rep
         "runtime_ms": report.runtime_ms,
         "device": report.device,
         "threads": report.threads,
-        "input": describe_input(sample_input),
+        "input": description or describe_input(sample_input),
         "layout": layout,
         "sparse_layers": f"{len(report.sparse_layers)}/{len(report.layers)}",
         "dense_weights_mb": round(weight_bytes(model) / 2**20, 3),
