@@ -163,15 +163,21 @@ class ExactMasking(MaskingPolicy):
     (a newly pruned weight carries no momentum into the next step; Zhu & Gupta 2017).
     """
 
+    def __init__(self):
+        super().__init__()
+        self._state_unmasked = False  # masks changed without the optimizer at hand: its state is still unmasked
+
     def before_step(self) -> None:
         self.enforcer.mask_gradients()
 
     def after_step(self, optimizer) -> None:
-        if not keeps_zeros(optimizer):
+        if self._state_unmasked or not keeps_zeros(optimizer):
             self.enforcer.after_step(optimizer)
+            self._state_unmasked = optimizer is None
 
     def start(self, optimizer) -> None:
-        self.enforcer.after_step(optimizer)
+        self.new_masks(optimizer)
 
     def new_masks(self, optimizer) -> None:
         self.enforcer.after_step(optimizer)
+        self._state_unmasked = optimizer is None
