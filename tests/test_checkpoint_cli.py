@@ -71,6 +71,33 @@ def test_chunked_dense_merge_is_exact(tmp_path, monkeypatch):
     _assert_equal(uniform_soup(models), load_sparse(str(tmp_path / "soup")))
 
 
+def test_merge_hands_a_methods_combine_whole_tensors_and_keeps_the_mask(tmp_path, monkeypatch):
+    from hf_sms import SOUPS
+    from hf_sms.pruning.masks import masks_from_model
+    from hf_sms.soup import SoupMethod, indicator_weights
+    from hf_sms.soup.soup import soup
+
+    def rescaled_max(tensors, weights):
+        """Per tensor: the elementwise max, plus the tensor's mean (a per-tensor statistic, nonzero at zeros)."""
+        stacked = torch.stack(tensors)
+        return stacked.max(0).values + stacked.mean()
+
+    everyone = SoupMethod(lambda s, t, c: indicator_weights(range(len(s)), len(s)), combine=rescaled_max)
+    SOUPS.add("rescaled_max", everyone)
+    models = _replicas(make_resnet)
+    dirs = _save_all(models, tmp_path, ["bitmask", "dense", "bitmask"])
+    monkeypatch.setattr("hf_sms.checkpoint.merge.CHUNK", 7)  # chunks would change a per-tensor statistic
+    try:
+        merge_checkpoints(dirs, str(tmp_path / "soup"), method="rescaled_max")
+        merged, expected = load_sparse(str(tmp_path / "soup")), soup(models, "rescaled_max")[0]
+    finally:
+        SOUPS.remove("rescaled_max")
+    for (name, a), b in zip(expected.state_dict().items(), merged.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    for name, mask in masks_from_model(models[0]).items():  # the shared mask, although the combine fills zeros
+        assert torch.equal(masks_from_model(merged)[name], mask) and torch.equal(masks_from_model(expected)[name], mask)
+
+
 def test_merge_of_bitmask_inputs_keeps_the_index_and_loads_with_the_plain_loader(tmp_path):
     import timm
 

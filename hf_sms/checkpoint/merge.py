@@ -128,11 +128,9 @@ def _same_zeros(tensors: Iterable[torch.Tensor], ckpts: list[SparseCheckpoint], 
         yield t
 
 
-def _combine(tensors: Iterable[torch.Tensor], weights: list[float], spec: SoupMethod) -> torch.Tensor:
-    """The soup's tensor: the weighted mean through the one averaging kernel, holding one input at a time
-    (``tensors`` may be a generator), or the method's own per-tensor function."""
-    if spec.combine is not None:
-        return spec.combine(list(tensors), weights)
+def _mean(tensors: Iterable[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The weighted mean through the one averaging kernel, holding one input at a time (``tensors`` may be a
+    generator)."""
     acc = None
     for t, w in zip(tensors, weights):
         acc = Accumulator(t) if acc is None else acc
@@ -140,7 +138,18 @@ def _combine(tensors: Iterable[torch.Tensor], weights: list[float], spec: SoupMe
     return acc.result()
 
 
-def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: list[float], spec: SoupMethod):
+def _merge_combined(ckpts: list[SparseCheckpoint], name: str, weight: list[float], spec: SoupMethod) -> torch.Tensor:
+    """A method's own ``combine`` gets whole tensors, as its contract says (a per-tensor top-k or trim would
+    differ on stored values or chunks); a prunable tensor keeps the inputs' shared mask."""
+    tensors = [c.read(name) for c in ckpts]
+    shape, dtype = ckpts[0].spec(name)
+    if not eligible(name, shape, dtype):
+        return spec.combine(tensors, weight)
+    tensors = list(_same_zeros(tensors, ckpts, name))
+    return spec.combine(tensors, weight) * (tensors[0] != 0)
+
+
+def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: list[float]):
     """Inputs stored with the same index: combine their stored values only; ``(values, index)`` or None."""
     if not all(c.is_encoded(name) for c in ckpts):
         return None
@@ -150,11 +159,11 @@ def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: list[float]
     values = (c.read_raw(name) for c in ckpts)
     if index_info(indexes[0])["codec"] == "dense":  # zeros are among the values: compare them
         values = _same_zeros(values, ckpts, name)
-    values = _combine(values, weight, spec)
+    values = _mean(values, weight)
     return values, restamp_index(indexes[0], values)
 
 
-def _merge_dense(ckpts: list[SparseCheckpoint], name: str, weight: list[float], spec: SoupMethod) -> torch.Tensor:
+def _merge_dense(ckpts: list[SparseCheckpoint], name: str, weight: list[float]) -> torch.Tensor:
     """Combine in chunks of the flattened tensor, checking masks on the way (dense or mixed inputs)."""
     shape, dtype = ckpts[0].spec(name)
     readers = [c.chunk_reader(name) for c in ckpts]
@@ -164,7 +173,7 @@ def _merge_dense(ckpts: list[SparseCheckpoint], name: str, weight: list[float], 
         chunks = (read(start, stop) for read in readers)
         if eligible(name, shape, dtype):
             chunks = _same_zeros(chunks, ckpts, name)
-        out[start:stop] = _combine(chunks, weight, spec)
+        out[start:stop] = _mean(chunks, weight)
     return out.reshape(shape)
 
 
@@ -172,12 +181,15 @@ def _merge_tensor(ckpts, name: str, weight: list[float], spec: SoupMethod, write
     if not ckpts[0].spec(name)[1].is_floating_point:
         writer.add(name, ckpts[0].read(name))  # integer buffers (num_batches_tracked): input 0's
         return
-    merged = _merge_encoded(ckpts, name, weight, spec)
+    if spec.combine is not None:
+        writer.add(name, _merge_combined(ckpts, name, weight, spec))
+        return
+    merged = _merge_encoded(ckpts, name, weight)
     if merged is not None and 0 not in merged[0]:  # the usual case: the index is kept as it is
         writer.add_encoded(name, *merged)
         return
     # A kept weight that averaged to exactly zero drops out of the mask: re-encode the dense result.
-    dense = decode_tensor(*merged, name) if merged is not None else _merge_dense(ckpts, name, weight, spec)
+    dense = decode_tensor(*merged, name) if merged is not None else _merge_dense(ckpts, name, weight)
     writer.add(name, dense)
 
 

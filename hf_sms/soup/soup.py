@@ -31,7 +31,7 @@ class LocalWorld:
 
     def average(self, local: dict[int, StateDict], weights: Sequence[float], template: StateDict) -> StateDict:
         used = [i for i, w in enumerate(weights) if w]
-        return {k: average_tensors([local[i][k] for i in used], [weights[i] for i in used]) for k in template}
+        return average_state_dicts([local[i] for i in used], [weights[i] for i in used])
 
     def all_candidates(self, local: dict[int, StateDict], n: int, template: StateDict) -> dict[int, StateDict]:
         return dict(local)
@@ -125,10 +125,14 @@ def soup(
         raise ValueError("this soup re-prunes the mean of candidates with different masks: pass sparsity=")
     state = {i: m.state_dict() for i, m in local.items()}
     reference = template.state_dict()
+    # a method's own combine may not keep zeros (a rescaling, a sign vote): the shared mask is applied after it
+    shared_mask = masks_from_model(template) if spec.combine is not None and spec.same_mask else None
 
     def build(weights: list[float]) -> nn.Module:
         model = copy.deepcopy(template)
         model.load_state_dict(_combined(spec, world, state, weights, reference))
+        if shared_mask is not None:
+            apply_masks(model, shared_mask)
         if not spec.same_mask and spec.reprune:
             masks = compute_masks(model, sparsity, allocation, example_inputs=example_inputs)
             apply_masks(model, world.broadcast_masks(masks))
