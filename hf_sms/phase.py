@@ -29,7 +29,6 @@ class PhaseSpec:
     """What one phase does.
 
     Attributes:
-        index: the phase p (0-based).
         sparsity: the phase's target sparsity s_p.
         start: the model every replica starts from (pruned once, mask broadcast from rank 0), or ``{i: model}``
             per replica, each pruned on its own (independent tracks: no broadcast).
@@ -41,12 +40,10 @@ class PhaseSpec:
         prune: prune at the start of the phase (``False``: train under the given masks only).
         exact_masks: the replicas end with the phase's mask (a finished replica loaded on resume is checked
             against it); ``False`` for replicas that move their mask (DPF).
-        allocation: how the phase's sparsity is spread (default: the run's).
         trainer_kwargs: ``fn(i) -> dict`` of extra :class:`~hf_sms.SparseSoupTrainer` arguments for replica i
             (callbacks, ``masking``, ``lr_schedule``, ``step_offset``, ``total_steps``).
     """
 
-    index: int
     sparsity: float
     start: nn.Module | dict[int, nn.Module]
     masks: Masks | dict[int, Masks] | None
@@ -55,7 +52,6 @@ class PhaseSpec:
     soup: str | None = "uniform"
     prune: bool = True
     exact_masks: bool = True
-    allocation: str | None = None
     trainer_kwargs: Callable[[int], dict] = field(default=lambda i: {})
     member: str = "replica"  # "track" for independent IMP runs
 

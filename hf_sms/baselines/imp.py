@@ -11,7 +11,6 @@ import dataclasses
 from ..phase import PhaseSpec, phase_folder
 from ..registry import BASELINES
 from ..seeding import derive_seed
-from ..soup.soup import soup
 
 
 def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False) -> None:
@@ -25,24 +24,14 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False) -> None:
         for i in range(n_tracks):
             h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))
             hparams.append(dataclasses.replace(h, **args.phase_budget(p)) if times_m else h)  # IMP_mx: SMS's compute
-        folder = phase_folder(name, p)
-        spec = PhaseSpec(p, sparsity, tracks, masks, hparams, folder, soup=None, member="track")
+        reprune = "reprune" if n_tracks > 1 else None  # the tracks' average, re-pruned to the phase's sparsity
+        spec = PhaseSpec(sparsity, tracks, masks, hparams, phase_folder(name, p), soup=reprune, member="track")
         result = ctx.run_phase(spec)  # no mask broadcast: IMP runs are independent
         tracks, masks = result.candidates, result.masks
-        ctx.recorder.row(name, p, world.gather({0: ctx.recorder.measure(tracks[0])} if 0 in tracks else {})[0])
-        if n_tracks > 1:
-            reprune, _ = soup(
-                tracks,
-                "reprune",
-                template=ctx.pretrained,
-                world=world,
-                scores=result.val,
-                recalibrate=ctx.recalibrate,
-                sparsity=sparsity,
-                allocation=args.allocation,
-                example_inputs=ctx.example,
-            )
-            ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(reprune))
+        first = {0: ctx.recorder.measure(tracks[0], val=result.val[0])} if 0 in tracks else {}
+        ctx.recorder.row(name, p, world.gather(first)[0])
+        if result.soup is not None:
+            ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(result.soup))
 
 
 def _needs_two(config) -> None:

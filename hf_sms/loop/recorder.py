@@ -47,12 +47,12 @@ class Recorder:
     def evaluate(self, model: nn.Module, dataset) -> float | None:
         return None if dataset is None else float(self.metric_fn(model, dataset))
 
-    def measure(self, model: nn.Module) -> dict:
-        """Sparsity, FLOP speedup, validation and every test set of ``model``."""
+    def measure(self, model: nn.Module, val: float | None = None) -> dict:
+        """Sparsity, FLOP speedup, validation (``val`` if the phase step scored it already) and every test set."""
         return {
             "sparsity": sparsity_report(model)["sparsity"],
             "speedup": theoretical_speedup(model, self.example()),
-            "val": self.evaluate(model, self.eval_dataset),
+            "val": val if val is not None else self.evaluate(model, self.eval_dataset),
             **self.test_scores(model),
         }
 

@@ -178,7 +178,7 @@ class SparseModelSoup:
             # Phase 1 starts from the same pruned model in every trajectory: its replicas are trained once.
             folder = phase_folder("sms" if p == 0 or method == a.merge_methods[0] else f"sms-{method}", p)
             hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
-            spec = PhaseSpec(p, sparsity, model, masks, hparams, folder, soup=method)
+            spec = PhaseSpec(sparsity, model, masks, hparams, folder, soup=method)
             result = self.run_phase(spec)
             model, masks = result.soup, result.masks
             self.recorder.sms(method, p, sparsity, result, primary=method == a.merge_methods[0])
@@ -188,7 +188,7 @@ class SparseModelSoup:
         """One phase (:mod:`hf_sms.phase`): prune (Step 1), retrain this process's replicas (Step 2), score
         them on validation, soup them (Step 3)."""
         start, world = time.perf_counter(), self.world
-        allocation = spec.allocation or self.args.allocation
+        allocation = self.args.allocation
         owned = world.owned(len(spec.hparams))
         if spec.shared:  # one mask for every replica, broadcast from rank 0
             step = (

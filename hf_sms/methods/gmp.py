@@ -196,7 +196,6 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
         if dense_phases:  # the phase's mask from the dense weights, not applied: they keep their values
             masks = world.broadcast_masks(compute_masks(model, sparsity, a.allocation, example_inputs=ctx.example))
         spec = PhaseSpec(
-            index=p,
             sparsity=sparsity,
             start=model,
             masks=masks,
@@ -223,7 +222,8 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
             result.soup = ctx.recalibrate(sparse)
         else:
             masks = result.masks
-        ctx.recorder.sms(a.merge_methods[0], p, sparsity, result)
+        # DPF's copies are dense: their rows would pair dense scores with the soup's sparsity (only the soup's kept)
+        ctx.recorder.sms(a.merge_methods[0], p, sparsity, result, primary=not dense_phases)
     return result.soup
 
 
