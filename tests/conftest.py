@@ -50,6 +50,14 @@ def make_resnet(num_classes: int = 4, seed: int = 0):
     )
 
 
+def make_pspnet(seed: int = 0):
+    """An smp PSPNet with a 3-stage ResNet-18 encoder and 16 PSP channels, 2 classes."""
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(seed)
+    return smp.PSPNet(encoder_name="resnet18", encoder_weights=None, encoder_depth=3, classes=2, psp_out_channels=16)
+
+
 def make_t5(seed: int = 0):
     """A 1+1 layer T5 with d_model=16 over ByT5's byte vocabulary (384 ids); lm_head is tied to shared."""
     from transformers import T5Config, T5ForConditionalGeneration

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import float_bits, make_cnn, make_resnet, make_t5
+from conftest import float_bits, make_cnn, make_pspnet, make_resnet, make_t5
 from safetensors.torch import load_file, save_file
 
 from hf_sms import apply_masks, compute_masks, load_sparse, prunable_tensors, save_sparse, sparsity_report
@@ -115,18 +115,11 @@ def test_timm_round_trip(tmp_path, fmt, make):
     _assert_same_state(model, wrapped.timm_model)
 
 
-def _pspnet():
-    import segmentation_models_pytorch as smp
-
-    torch.manual_seed(0)
-    return smp.PSPNet(encoder_name="resnet18", encoder_weights=None, encoder_depth=3, classes=2, psp_out_channels=16)
-
-
 @pytest.mark.parametrize("fmt", ["bitmask", "dense"])
 def test_smp_round_trip(tmp_path, fmt):
     import segmentation_models_pytorch as smp
 
-    model = _pruned(_pspnet(), 0.9, "global")
+    model = _pruned(make_pspnet(), 0.9, "global")
     save_sparse(model, str(tmp_path), fmt)
     loaded = load_sparse(str(tmp_path))
     _assert_same_state(model, loaded)

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_cnn, make_resnet, make_t5, sms_config
+from conftest import make_cnn, make_pspnet, make_resnet, make_t5, sms_config
 
 import hf_sms
 from hf_sms import apply_masks, compute_masks, load_sparse, run_sms, save_sparse
@@ -18,15 +18,12 @@ from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.pruning import masks_from_model
 from hf_sms.soup import soup, uniform_soup
 
-
-def _smp():
-    import segmentation_models_pytorch as smp
-
-    torch.manual_seed(0)
-    return smp.PSPNet(encoder_name="resnet18", encoder_weights=None, encoder_depth=3, classes=2, psp_out_channels=16)
-
-
-FAMILY_MODELS = {"transformers": make_t5, "timm": make_resnet, "segmentation_models_pytorch": _smp, "torch": make_cnn}
+FAMILY_MODELS = {
+    "transformers": make_t5,
+    "timm": make_resnet,
+    "segmentation_models_pytorch": make_pspnet,
+    "torch": make_cnn,
+}
 
 
 @pytest.fixture(scope="module")

@@ -180,7 +180,7 @@ def test_greedy_trajectory_continues_from_the_greedy_soup(tmp_path):
 
     def spy_train(start, step, hparams, name, **kwargs):
         starts[name] = {k: v.clone() for k, v in start.state_dict().items()}
-        return train_replica(start, step, hparams, name)
+        return train_replica(start, step, hparams, name, **kwargs)
 
     runner.run_phase, runner.train_replica = spy_phase, spy_train
     runner.run()
@@ -238,7 +238,7 @@ def test_imp_mx_gets_the_compute_sms_spends_in_each_phase(tmp_path):
 
     def spy(start, step, hparams, name, **kwargs):
         seen[name] = hparams.num_train_epochs
-        return original(start, step, hparams, name)
+        return original(start, step, hparams, name, **kwargs)
 
     runner.train_replica = spy
     runner.run()

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_resnet, make_t5
+from conftest import make_pspnet, make_resnet, make_t5
 from torch import nn
 
 from hf_sms import apply_masks, compute_masks, to_sparse_runtime
@@ -24,13 +24,6 @@ def _pruned(model: nn.Module, sparsity: float = 0.9) -> nn.Module:
 def _mlp(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def _smp():
-    import segmentation_models_pytorch as smp
-
-    torch.manual_seed(0)
-    return smp.PSPNet(encoder_name="resnet18", encoder_weights=None, encoder_depth=3, classes=2, psp_out_channels=16)
 
 
 def _gpt2():
@@ -53,7 +46,7 @@ IDS = torch.randint(2, 384, (2, 12), generator=torch.Generator().manual_seed(0))
 CASES = {  # name: (model factory, sample input)
     "mlp": (_mlp, torch.randn(8, 64)),
     "timm": (make_resnet, torch.randn(2, 3, 32, 32)),
-    "smp": (_smp, torch.randn(2, 3, 32, 32)),
+    "smp": (make_pspnet, torch.randn(2, 3, 32, 32)),
     "t5": (make_t5, {"input_ids": IDS, "decoder_input_ids": IDS[:, :6]}),
     "gpt2": (_gpt2, {"input_ids": IDS}),
 }

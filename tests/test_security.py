@@ -66,9 +66,12 @@ def test_no_file_a_trainer_writes_holds_the_token(tmp_path):
 
 def test_no_file_of_an_sms_run_holds_the_token(tmp_path):
     train, val, test = load_digits_splits(seed=0)
-    args = sms_config(tmp_path, hub_token=TOKEN, max_steps=2, baselines=["imp"], n_phases=1)
+    args = sms_config(
+        tmp_path, hub_token=TOKEN, max_steps=2, baselines=["imp"], n_phases=1, save_strategy="steps", save_steps=1
+    )
     run_sms(DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
     assert os.path.isdir(tmp_path / "run" / "final_soup")
+    assert any(n == "training_args.bin" for _, _, names in os.walk(tmp_path) for n in names)  # pickles were written
     assert _files_holding(tmp_path, TOKEN) == []
 
 
@@ -179,6 +182,12 @@ def test_load_sparse_never_asks_about_remote_code(tmp_path):
     with mock.patch("builtins.input", side_effect=AssertionError("prompted")):
         loaded = load_sparse(str(folder))
     assert type(loaded).__name__ == "T5ForConditionalGeneration"
+    # a model type transformers does not know is where it would ask (and run evil.py if told yes)
+    config["model_type"] = "evil"
+    (folder / "config.json").write_text(json.dumps(config))
+    with mock.patch("builtins.input") as asked, pytest.raises(ValueError):
+        load_sparse(str(folder))
+    assert asked.call_count == 0
 
 
 # -- 4. registered names become folder names ---------------------------------------------------------------------

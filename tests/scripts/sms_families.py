@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from conftest import make_image_dataset, make_resnet, make_t5  # noqa: E402
+from conftest import make_image_dataset, make_pspnet, make_resnet, make_t5  # noqa: E402
 
 from hf_sms import SparseSoupConfig, run_sms  # noqa: E402
 from hf_sms.batchnorm import forward_batch  # noqa: E402
@@ -46,13 +46,6 @@ def t5_data():
     return [{"input_ids": i, "attention_mask": a, "labels": y} for i, a, y in rows]
 
 
-def smp_model():
-    import segmentation_models_pytorch as smp
-
-    torch.manual_seed(0)
-    return smp.PSPNet(encoder_name="resnet18", encoder_weights=None, encoder_depth=3, classes=2, psp_out_channels=16)
-
-
 def segmentation_data(n=24):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 3, 32, 32, generator=g)
@@ -68,7 +61,7 @@ torch.set_num_threads(1)
 model, data = {
     "t5": lambda: (make_t5(), t5_data()),
     "timm": lambda: (make_resnet(), make_image_dataset(24)),
-    "smp": lambda: (smp_model(), segmentation_data()),
+    "smp": lambda: (make_pspnet(), segmentation_data()),
 }[cli.family]()
 args = SparseSoupConfig(
     output_dir=cli.output_dir,
