@@ -1,6 +1,6 @@
 """What the sparse runtime gives: dense vs ``to_sparse_runtime(layout="auto")`` latency, side by side in one run.
 
-    python benchmarks/inference.py                       # everything, 1 and 2 threads (about 15 min on 2 cores)
+    python benchmarks/inference.py                       # everything, 1 and 2 threads (413 s on 2 CPU cores)
     python benchmarks/inference.py --threads 1 --only t5 --quick
 
 Every ratio is dense median / runtime median of interleaved repeats on the same input (machines are noisy: read

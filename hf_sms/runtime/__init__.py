@@ -2,6 +2,7 @@
 
 from .convert import LAYOUTS, LayerChoice, RuntimeReport, time_pair, to_sparse_runtime
 from .layers import SemiStructuredLinear, SparseConv2d, SparseEmbedding, SparseLinear, weight_bytes
+from .speed import measure_speedup
 
 __all__ = [
     "LAYOUTS",
@@ -11,6 +12,7 @@ __all__ = [
     "SparseConv2d",
     "SparseEmbedding",
     "SparseLinear",
+    "measure_speedup",
     "time_pair",
     "to_sparse_runtime",
     "weight_bytes",
