@@ -233,7 +233,7 @@ class SparseSoupConfig(TrainingArguments):
             raise ValueError(f"retrain_warmup_fraction must be in [0, 1), got {self.retrain_warmup_fraction}")
         if not 0.0 < self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
-        method = PRUNING_METHODS.meta(self.pruning_method) if self.pruning_method != "imp" else {}
+        method = PRUNING_METHODS.meta(self.pruning_method)  # {} for "imp", the loop itself
         known_length = self.pretrain_epochs or method.get("original_length", lambda config: None)(self)
         if self.retrain_schedule in ("lrw", "slr", "allr") and not known_length:
             raise ValueError(

@@ -33,13 +33,15 @@ class Registry(Generic[T]):
 
     Args:
         kind: what the entries are, for messages ("allocation", "soup method", ...).
-        parse: optional ``parse(name) -> object | None`` for names that are patterns rather than entries (the
-            n:m allocations, ``"2:4"``); tried before the table.
         hint: appended to the "unknown" message, e.g. how to write a pattern.
+
+    ``parse``, set by the module that owns the patterns: ``parse(name) -> object | None`` for names that are
+    patterns rather than entries (the n:m allocations, ``"2:4"``); tried before the table.
     """
 
-    def __init__(self, kind: str, parse: Callable[[str], T | None] | None = None, hint: str = ""):
-        self.kind, self.parse, self.hint = kind, parse, hint
+    def __init__(self, kind: str, hint: str = ""):
+        self.kind, self.hint = kind, hint
+        self.parse: Callable[[str], T | None] | None = None
         self._entries: dict[str, Entry[T]] = {}
 
     def register(self, name: str, *, check: Callable[[object], None] | None = None, **meta) -> Callable[[T], T]:
@@ -74,10 +76,6 @@ class Registry(Generic[T]):
             hint = f" {self.hint}" if self.hint else ""
             raise ValueError(f"unknown {self.kind} {name!r}; choose one of {self.names()}{hint}")
         return self._entries[name].obj
-
-    def entry(self, name: str) -> Entry[T]:
-        self.get(name)  # the same error for an unknown name
-        return self._entries[name]
 
     def meta(self, name: str) -> dict:
         """The metadata ``name`` was registered with (``{}`` for a parsed pattern)."""

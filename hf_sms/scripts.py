@@ -20,7 +20,8 @@ import yaml
 from accelerate.utils import broadcast
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from .checkpoint import SPARSITY_NAME, load_sparse, save_sparse
+from .checkpoint import load_sparse, save_sparse
+from .checkpoint.folder import read_sparsity
 from .data import VALIDATION_SEED
 from .evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, imagenet_c_files, load_cifar_c
 from .evaluation.named import MeanOverSets
@@ -242,11 +243,12 @@ def prepared_splits(raw, prepare, args, data: DataArguments) -> tuple:
     """
     if data.validation_split is not None and data.validation_split == data.test_split:
         raise ValueError(f"the {data.test_split!r} split is the test set; it cannot also be the validation set")
-    for column in filter(None, (data.group_column,)):  # checked before any pretraining or training
+    if data.group_column:  # checked before any pretraining or training
         for name, split in raw.items():
-            if column not in split.column_names:
+            if data.group_column not in split.column_names:
                 raise ValueError(
-                    f"--group_column {column!r} is not a column of the {name!r} split (it has {split.column_names})"
+                    f"--group_column {data.group_column!r} is not a column of the {name!r} split (it has "
+                    f"{split.column_names})"
                 )
     train = raw["train"]
     if data.validation_split in raw:
@@ -361,9 +363,9 @@ def pretrain(model: torch.nn.Module, args, train_dataset, folder: str, **trainer
         push_to_hub=False,
     )
     settings = {"pretraining": {k: getattr(args if k.endswith("batch_size") else pre, k) for k in _PRETRAINING}}
-    if os.path.isfile(os.path.join(folder, SPARSITY_NAME)):
-        with open(os.path.join(folder, SPARSITY_NAME)) as f:
-            saved = json.load(f).get("recipe")
+    record = read_sparsity(folder) if os.path.isdir(folder) else None
+    if record is not None:
+        saved = record.get("recipe")
         if saved != json.loads(json.dumps(settings)):
             raise ValueError(
                 f"{folder} holds a dense model pretrained with {saved}, not {settings}: delete it, or point "

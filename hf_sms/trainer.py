@@ -126,8 +126,7 @@ class SparseSoupTrainer(Trainer):
         self.masking = masking if masking is not None else ExactMasking()
         if self.masking.zeroes_at_start:  # DPF keeps the dense values it was handed
             apply_masks(self.model, step.masks)
-        self.enforcer = MaskEnforcer(self.model, step.masks)
-        self.masking.bind(self.enforcer)
+        self._bind(step.masks)
         self.add_callback(_MaskCallback(self))
 
     @property
@@ -138,9 +137,12 @@ class SparseSoupTrainer(Trainer):
         """Train under ``masks`` from now on (pruning during training, :mod:`hf_sms.methods`); the masking policy
         decides what that does to the weights and optimizer state now (``new_masks``)."""
         self.pruning_step = PruningStep.measure(self.model, masks)
+        self._bind(masks)
+        self.masking.new_masks(optimizer)
+
+    def _bind(self, masks: Masks) -> None:
         self.enforcer = MaskEnforcer(self.model, masks)
         self.masking.bind(self.enforcer)
-        self.masking.new_masks(optimizer)
 
     def set_masking(self, masking: MaskingPolicy) -> None:
         """Use another masking policy from now on (e.g. DPF's, installed by its callback)."""
@@ -248,8 +250,7 @@ class SparseSoupTrainer(Trainer):
                     f"{resume_from_checkpoint} holds no {MASKS_NAME}: it was not saved by SparseSoupTrainer"
                 )
             self.pruning_step = saved
-            self.enforcer = MaskEnforcer(self.model, saved.masks)
-            self.masking.bind(self.enforcer)
+            self._bind(saved.masks)
         for callback in self.callback_handler.callbacks:  # e.g. GradualPruning: it prunes through this trainer
             if hasattr(callback, "bind_trainer"):
                 callback.bind_trainer(self)

@@ -29,14 +29,28 @@ def test_mean_iou_by_hand():
     assert MeanIoU(num_classes=2)(Fixed(logits), data) == pytest.approx(50.0)
 
 
+class Counting(torch.utils.data.Dataset):
+    def __init__(self, inner):
+        self.inner, self.reads = inner, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.inner[i]
+
+
 def test_accuracy_and_ensemble_score():
     logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]])
-    data = TensorDictDataset(torch.arange(3), torch.tensor([0, 1, 1]))
+    data = Counting(TensorDictDataset(torch.arange(3), torch.tensor([0, 1, 1])))
     metric = ClassificationAccuracy()
     assert metric(Fixed(logits), data) == pytest.approx(200 / 3)
     other = Fixed(torch.tensor([[0.0, 1.0], [0.0, 1.0], [0.0, 9.0]]))
     mean = (metric.predict(Fixed(logits), data) + metric.predict(other, data)) / 2
+    reads = data.reads
     assert metric.score(mean, data) == pytest.approx(100.0)  # the ensemble fixes the third sample
+    assert data.reads == reads  # the labels come from the last predict: the data is not read again
 
 
 def test_theoretical_speedup_counts_only_live_weights():

@@ -169,6 +169,21 @@ def _positions(head: dict, payload: np.ndarray, name: str) -> np.ndarray | None:
     return pos
 
 
+def _verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict, torch.Tensor, np.ndarray | None]:
+    """``(header, flat CPU values, positions or None for DENSE)`` once the values' count, dtype and checksum
+    match the index."""
+    head, payload = parse_index(index, name)
+    values = values.detach().to("cpu").contiguous().reshape(-1)
+    if values.numel() != head["nnz"] or not values.is_floating_point():
+        raise ValueError(
+            f"{name!r} has {values.numel()} stored values of dtype {values.dtype} but its index expects "
+            f"{head['nnz']} floating-point values; the checkpoint is corrupted or mixes files of two saves."
+        )
+    if zlib.crc32(payload, zlib.crc32(_bytes_of(values))) != head["crc"]:
+        raise ValueError(f"checksum mismatch in {name!r}: the checkpoint file is corrupted; re-save or re-download it")
+    return head, values, _positions(head, payload, name)
+
+
 def decode_tensor(values: torch.Tensor, index: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     """Inverse of :func:`encode_tensor`.
 
@@ -180,17 +195,8 @@ def decode_tensor(values: torch.Tensor, index: torch.Tensor, name: str = "tensor
     Returns:
         The dense tensor, on ``values``' device. Raises ``ValueError`` on a checksum or size mismatch.
     """
-    head, payload = parse_index(index, name)
     device = values.device
-    values = values.detach().to("cpu").contiguous().reshape(-1)
-    if values.numel() != head["nnz"] or not values.is_floating_point():
-        raise ValueError(
-            f"{name!r} has {values.numel()} stored values of dtype {values.dtype} but its index expects "
-            f"{head['nnz']} floating-point values; the checkpoint is corrupted or mixes files of two saves."
-        )
-    if zlib.crc32(payload, zlib.crc32(_bytes_of(values))) != head["crc"]:
-        raise ValueError(f"checksum mismatch in {name!r}: the checkpoint file is corrupted; re-save or re-download it")
-    pos = _positions(head, payload, name)
+    head, values, pos = _verified(values, index, name)
     if pos is None:
         out = values.clone()
     else:
@@ -207,11 +213,7 @@ def decode_positions(values: torch.Tensor, index: torch.Tensor, name: str = "ten
     """The flat row-major positions (int64, increasing) of an encoded tensor's stored values, checksum
     verified, without materialising the dense tensor. Returns ``(positions, header)``; for the DENSE codec
     (every value stored) the positions of its nonzeros."""
-    head, payload = parse_index(index, name)
-    values = values.detach().to("cpu").contiguous().reshape(-1)
-    if values.numel() != head["nnz"] or zlib.crc32(payload, zlib.crc32(_bytes_of(values))) != head["crc"]:
-        raise ValueError(f"checksum or size mismatch in {name!r}: the checkpoint is corrupted; re-save or re-download")
-    pos = _positions(head, payload, name)
+    head, values, pos = _verified(values, index, name)
     if pos is None:
         return torch.nonzero(values).reshape(-1), head
     return torch.from_numpy(pos.astype(np.int64, copy=False)), head

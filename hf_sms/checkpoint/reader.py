@@ -144,8 +144,8 @@ class SparseCheckpoint:
 def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | None, stats: MaskStats | None = None):
     """Raise if the loaded weights do not have the mask hash recorded in ``sparsity.json``.
 
-    The masks come from ``state_dict`` (dense tensors), else from ``stats`` (digests a loader recorded while
-    reading, e.g. from stored positions), else from the stored indices.
+    The masks come from ``state_dict`` (dense tensors), or from ``stats`` (digests a loader recorded while
+    reading, e.g. from stored positions).
     """
     expected = (ckpt.info or {}).get("mask_hash")
     if not expected:
@@ -158,12 +158,8 @@ def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | No
     )
     if stats is None:
         stats = MaskStats()
-        stored = set(ckpt.names())
-        for name in names:
-            if state_dict is None and name in stored:
-                stats.add(name, ckpt.mask(name), "")
-            elif state_dict is not None and name in state_dict:
-                stats.add(name, state_dict[name] != 0, "")
+        for name in (n for n in names if n in state_dict):
+            stats.add(name, state_dict[name] != 0, "")
     if any(n not in stats.per_tensor for n in names) or stats.summary(names)["mask_hash"] != expected:
         raise ValueError(
             f"the weights of {ckpt.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "

@@ -63,13 +63,19 @@ class ClassificationAccuracy:
 
     def __init__(self, batch_size: int = 256, collate_fn=None, loader_kwargs: dict | None = None):
         self.batch_size, self.collate_fn, self.loader_kwargs = batch_size, collate_fn, dict(loader_kwargs or {})
+        self._last: tuple | None = None  # (dataset, labels) of the last predict: score() reads the data once
 
     def predict(self, model: nn.Module, dataset) -> torch.Tensor:
-        return predict_proba(model, dataset, self.batch_size, self.collate_fn, self.loader_kwargs)[0]
+        probs, labels = predict_proba(model, dataset, self.batch_size, self.collate_fn, self.loader_kwargs)
+        self._last = (dataset, labels)
+        return probs
 
     def score(self, probs: torch.Tensor, dataset) -> float:
-        loader = DataLoader(dataset, self.batch_size, collate_fn=self._collate, **self.loader_kwargs)
-        labels = torch.cat([b["labels"] for b in loader])
+        if self._last is not None and self._last[0] is dataset:
+            labels = self._last[1]
+        else:
+            loader = DataLoader(dataset, self.batch_size, collate_fn=self._collate, **self.loader_kwargs)
+            labels = torch.cat([b["labels"] for b in loader])
         return 100.0 * float((probs.argmax(-1) == labels).float().mean())
 
     def __call__(self, model: nn.Module, dataset) -> float:

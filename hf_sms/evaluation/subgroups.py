@@ -82,6 +82,7 @@ def subgroup_recall(
     all_classes = list(dict.fromkeys([y for _, y in keys] + list(class_names)))
     missing = [name(g, y) for g in all_groups for y in all_classes if (g, y) not in hits]
     worst = min(per_group, key=per_group.get)
+    mean = sum(per_group.values()) / len(per_group)
     if missing:
         warnings.warn(
             f"subgroups {missing} have no test items: the worst-group recall is over the others only and may "
@@ -90,11 +91,11 @@ def subgroup_recall(
         )
     return {
         "value": per_group[worst],
-        "balanced_accuracy": sum(per_group.values()) / len(per_group),  # the mean recall over subgroups
+        "balanced_accuracy": mean,  # the mean recall over subgroups
         "worst_group_recall": per_group[worst],
         "worst_group": worst if not missing else f"{worst} (of those with test items; missing: {', '.join(missing)})",
         "missing": missing,
-        "mean_recall": sum(per_group.values()) / len(per_group),
+        "mean_recall": mean,
         "per_group": {**per_group, **dict.fromkeys(missing)},
         "counts": {**{name(*k): len(hits[k]) for k in keys}, **dict.fromkeys(missing, 0)},
     }
@@ -131,14 +132,19 @@ class SubgroupRecall:
         self.group_key, self.batch_size, self.collate_fn = group_key, batch_size, collate_fn or default_data_collator
         self.group_names, self.class_names, self.score_name = group_names, class_names, score
         self.name = "worst-group recall" if score == "worst" else "balanced accuracy"
+        self._last: tuple | None = None  # (dataset, labels, groups) of the last pass: score() reads the data once
 
     def _predict(self, model: nn.Module, dataset) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Probabilities, labels and groups in one pass over ``dataset``."""
         collate = _SplitGroups(self.group_key, self.collate_fn)
+        # no loader workers: the groups are collected by the collate function, which workers would run elsewhere
         probs, labels = predict_proba(model, dataset, self.batch_size, collate)
+        self._last = (dataset, labels, collate.groups)
         return probs, labels, collate.groups
 
     def _labels_and_groups(self, dataset) -> tuple[torch.Tensor, list]:
+        if self._last is not None and self._last[0] is dataset:
+            return self._last[1], self._last[2]
         collate = _SplitGroups(self.group_key, self.collate_fn)
         labels = torch.cat([batch["labels"] for batch in DataLoader(dataset, self.batch_size, collate_fn=collate)])
         return labels, collate.groups

@@ -60,7 +60,7 @@ def check_model(args, model) -> None:
             f"{type(model).__name__} has parameters on the meta device (e.g. {meta[:3]}): built without weights "
             "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
         )
-    kind = ALLOCATIONS.meta(args.allocation).get("prunes") if args.allocation in ALLOCATIONS else None
+    kind = ALLOCATIONS.meta(args.allocation).get("prunes")  # {} for an n:m pattern
     if kind and not any(t.kind == kind for t in prunable_tensors(model)):
         raise ValueError(
             f"allocation={args.allocation!r} prunes {kind} layers only and {type(model).__name__} has none: the run "

@@ -136,8 +136,8 @@ class SparseModelSoup:
         """Run SMS (one trajectory per soup method) or a pruning-during-training method, then the baselines;
         returns the final soup of the first method. Results are in ``self.results``."""
         a = self.args
-        if a.pruning_method != "imp":  # a method checks what needs the data (its schedule's steps) before run.json
-            PRUNING_METHODS.meta(a.pruning_method).get("preflight", lambda ctx: None)(self)
+        # a method checks what needs the data (its schedule's steps) before run.json ("imp" has no entry: no-op)
+        PRUNING_METHODS.meta(a.pruning_method).get("preflight", lambda ctx: None)(self)
         self.run_dir.open()
         try:
             self.world.barrier()  # every rank waits until the main process has checked the directory
