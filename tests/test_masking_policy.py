@@ -78,13 +78,12 @@ def test_pruned_weights_stay_exactly_zero_with_the_fewest_passes(
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw_torch", "adafactor"])
 def test_the_trainer_keeps_masks_exact_under_its_policy(tmp_path, optim):
-    from conftest import make_cnn, make_image_dataset
+    from conftest import make_cnn, make_image_dataset, training_args
 
     model = make_cnn()
-    args = SparseSoupConfig(
-        output_dir=str(tmp_path), target_sparsity=0.8, max_steps=6, per_device_train_batch_size=8,
-        gradient_accumulation_steps=2, optim=optim, learning_rate=0.05, use_cpu=True, report_to="none",
-        disable_tqdm=True, save_strategy="no", seed=0,
+    args = training_args(
+        str(tmp_path), SparseSoupConfig, target_sparsity=0.8, max_steps=6, gradient_accumulation_steps=2,
+        optim=optim, learning_rate=0.05,
     )  # fmt: skip
     trainer = SparseSoupTrainer(model, args, train_dataset=make_image_dataset())
     trainer.train()

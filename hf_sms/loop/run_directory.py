@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint.constants import LOCK_FILE, RUN_FILE, TMP_PREFIX
+from ..checkpoint.constants import LOCK_FILE, RUN_FILE, SPARSITY_NAME, TMP_PREFIX
 from ..data import peek
 from ..results import save_results
 
@@ -219,7 +219,7 @@ class RunDirectory:
 
     def _trained_nothing(self) -> bool:
         """No replica finished (no checkpoint's ``sparsity.json`` anywhere): nothing a rerun could reuse."""
-        return not any("sparsity.json" in files for _, _, files in os.walk(self.root))
+        return not any(SPARSITY_NAME in files for _, _, files in os.walk(self.root))
 
     def _remove_stale_temporaries(self) -> None:
         """Folders a killed run was writing (never installed, so never taken as finished); safe under the lock."""

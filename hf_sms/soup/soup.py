@@ -10,6 +10,7 @@ bit.
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -192,7 +193,7 @@ def greedy_soup(
 
     if scores is None:
         scores = [float(evaluate(recal(copy.deepcopy(m)))) for m in models]
-    config = type("GreedyConfig", (), {"greedy_keep_ties": keep_ties})()
+    config = types.SimpleNamespace(greedy_keep_ties=keep_ties)
     result, weights = soup(models, "greedy", scores=scores, evaluate=evaluate, recalibrate=recal, config=config)
     order = sorted(range(len(models)), key=lambda i: -scores[i])
     kept = [i for i in order if weights[i]]
