@@ -173,12 +173,12 @@ def make_args(out_dir):
 
 
 def sms_config(tmp_path, **overrides):
-    """A SparseSoupConfig for fast CPU runs of the SMS loop on digits, in ``tmp_path / "run"``; tests override
-    what they exercise."""
+    """A SparseSoupConfig for fast CPU runs of the SMS loop on digits, in ``tmp_path / "run"`` (or the given
+    ``output_dir``); tests override what they exercise."""
     from hf_sms import SparseSoupConfig
 
     base = dict(
-        output_dir=str(tmp_path / "run"),
+        output_dir=str(tmp_path / "run") if tmp_path is not None else None,
         target_sparsity=0.8,
         n_phases=2,
         num_replicas=2,

@@ -130,22 +130,11 @@ def test_data_arguments_defaults_and_limits():
 
 @pytest.mark.parametrize("validation_file", [False, True], ids=["split-off", "own-file"])
 def test_t5_recipe_on_local_json(tmp_path, validation_file):
-    from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+    from conftest import make_t5
+    from transformers import ByT5Tokenizer
 
     tok = ByT5Tokenizer()
-    cfg = T5Config(
-        vocab_size=tok.vocab_size,
-        d_model=16,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        d_kv=8,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "model")
+    make_t5().save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     for split, n in (("train", 40), ("dev", 6), ("test", 8)):
         lines = [json.dumps({"translation": {"en": f"{split} {i}", "de": f"Haus {i}"}}) for i in range(n)]

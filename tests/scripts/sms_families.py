@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from conftest import make_image_dataset, make_pspnet, make_resnet, make_t5  # noqa: E402
+from conftest import make_image_dataset, make_pspnet, make_resnet, make_t5, sms_config  # noqa: E402
 
-from hf_sms import SparseSoupConfig, run_sms  # noqa: E402
+from hf_sms import run_sms  # noqa: E402
 from hf_sms.batchnorm import forward_batch  # noqa: E402
 from hf_sms.trainer import cross_entropy_loss  # noqa: E402
 
@@ -63,21 +63,10 @@ model, data = {
     "timm": lambda: (make_resnet(), make_image_dataset(24)),
     "smp": lambda: (make_pspnet(), segmentation_data()),
 }[cli.family]()
-args = SparseSoupConfig(
-    output_dir=cli.output_dir,
-    target_sparsity=0.5,
-    n_phases=2,
-    num_replicas=2,
-    max_steps=3,
-    per_device_train_batch_size=4,
-    learning_rate=0.01,
-    optim="sgd",
-    use_cpu=True,
-    disable_tqdm=True,
-    report_to="none",
-    seed=0,
-    merge_methods=["uniform"],
-)
+args = sms_config(
+    None, output_dir=cli.output_dir, target_sparsity=0.5, max_steps=3, per_device_train_batch_size=4,
+    learning_rate=0.01, merge_methods=["uniform"],
+)  # fmt: skip
 soup, results = run_sms(model, args, data[:16], NegativeLoss(), eval_dataset=data[16:], test_dataset=data[16:])
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
     save_file({k: v.clone() for k, v in soup.state_dict().items()}, os.path.join(cli.output_dir, "soup.safetensors"))
