@@ -243,13 +243,11 @@ def prepared_splits(raw, prepare, args, data: DataArguments) -> tuple:
     """
     if data.validation_split is not None and data.validation_split == data.test_split:
         raise ValueError(f"the {data.test_split!r} split is the test set; it cannot also be the validation set")
-    if data.group_column:  # checked before any pretraining or training
-        for name, split in raw.items():
-            if data.group_column not in split.column_names:
-                raise ValueError(
-                    f"--group_column {data.group_column!r} is not a column of the {name!r} split (it has "
-                    f"{split.column_names})"
-                )
+    column = data.group_column  # checked before any pretraining or training
+    lacking = [name for name, split in raw.items() if column and column not in split.column_names]
+    if lacking:
+        columns = raw[lacking[0]].column_names
+        raise ValueError(f"--group_column {column!r} is not a column of the {lacking[0]!r} split (it has {columns})")
     train = raw["train"]
     if data.validation_split in raw:
         val = raw[data.validation_split]
