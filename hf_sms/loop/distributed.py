@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -44,6 +45,13 @@ def launched_world_size() -> int:
     )
 
 
+@functools.cache
+def _close_at_exit() -> None:
+    # Nobody else closes the group (accelerate does not): a process that exits with it open can abort
+    # ("terminate called without an active exception") when gloo's threads outlive the interpreter.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+
 class ReplicaWorld:
     """Who trains which replica, and the collectives that merge them.
 
@@ -69,10 +77,9 @@ class ReplicaWorld:
         if use_cuda:
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
-        if not dist.is_initialized():
+        if not dist.is_initialized():  # accelerate often opened it already, when the config was built
             dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-            # ours to close: a process that exits with the group open can abort in the transport's teardown
-            atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+        _close_at_exit()
         self.rank = dist.get_rank()
         k = self.size // num_replicas if self.size > num_replicas else 1
         self.group_size, self.n_groups = k, self.size // k

@@ -4,6 +4,7 @@ Run it with ``torchrun --nproc_per_node N`` or plainly; the main process writes 
 """
 
 import argparse
+import atexit
 import os
 
 import torch
@@ -57,6 +58,8 @@ tests = {  # named test sets reach every row in the parallel path too
     "ood": ({("noise", 1): noisy, ("noise", 2): TensorDictDataset(noisy.x * 2, test.labels)}, MeanOverSets(accuracy)),
     "groups": (grouped, SubgroupRecall()),
 }
+# registered before run_sms, so it runs after hf-sms's own exit handler: the group must be closed by then
+atexit.register(lambda: print("process group open at exit:", torch.distributed.is_initialized(), flush=True))
 soup, results = run_sms(model, args, train, accuracy, eval_dataset=val, test_dataset=tests)
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
     save_file(
