@@ -13,6 +13,9 @@ from .pruning.masks import phase_sparsities
 from .registry import ALLOCATIONS, BASELINES, PRETRAIN_SHAPES, PRUNING_METHODS, RETRAIN_SCHEDULES, SOUPS
 from .seeding import derive_seed
 
+# The trainer's learning-rate modes (see SparseSoupTrainer's ``lr_schedule``).
+LR_SCHEDULES = ("retrain", "original", "pretrain")
+
 
 @dataclass(kw_only=True, repr=False)  # keep TrainingArguments' repr, which masks tokens
 class SparseSoupConfig(TrainingArguments):
@@ -104,7 +107,8 @@ class SparseSoupConfig(TrainingArguments):
         default="retrain",
         metadata={
             "help": "retrain: the retraining schedule (retrain_schedule); original: lr_scheduler_type over the "
-            "whole run (what GMP, DPF and BIMP's pretraining use; set by the loop for them)."
+            "whole run (what GMP, DPF and BIMP's pretraining use; set by the loop for them); pretrain: dense "
+            "training along pretrain_schedule from learning_rate (the recipes' pretraining)."
         },
     )
     # Soup
@@ -162,8 +166,9 @@ class SparseSoupConfig(TrainingArguments):
     measure_speedup: bool = field(
         default=True,
         metadata={
-            "help": "Time the final soup dense vs the sparse runtime on one validation batch (main process) and "
-            "report it beside the FLOP count in results.json, the table, sparsity.json and the model card."
+            "help": "Time each phase's soup dense vs the sparse runtime on one validation batch (main process) and "
+            "report it beside the FLOP count: its row in results.json and the table; the final soup's also in "
+            "sparsity.json and the model card."
         },
     )
 
@@ -227,8 +232,8 @@ class SparseSoupConfig(TrainingArguments):
             )
         if self.resume not in ("auto", "force"):
             raise ValueError(f"resume={self.resume!r} is unknown; choose 'auto' or 'force'")
-        if self.lr_schedule not in ("retrain", "original"):
-            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose 'retrain' or 'original'")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose one of {LR_SCHEDULES}")
         if not 0.0 <= self.retrain_warmup_fraction < 1.0:
             raise ValueError(f"retrain_warmup_fraction must be in [0, 1), got {self.retrain_warmup_fraction}")
         if not 0.0 < self.validation_fraction < 1.0:

@@ -70,7 +70,36 @@ def format_table(runs: list[dict], split: str = "test") -> str:
         lines.append(f"| dense (unpruned) | {_cell(dense)} |" + " |" * (len(phases) - 1))
     for method in [m for m in ROW_ORDER if m in table] + sorted(set(table) - set(ROW_ORDER)):
         lines.append(f"| {ROW_NAMES.get(method, method)} | " + " | ".join(_cell(c) for c in table[method]) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + _speedup_lines(runs, len(phases)))
+
+
+def _final_rows(run: dict) -> tuple[str, list[dict]]:
+    """The method whose soup is the run's result, and its rows (older files: the first method)."""
+    name = run.get("final_row") if run.get("final_row") in run["rows"] else next(iter(run["rows"]))
+    return name, run["rows"][name]
+
+
+def _speedup_lines(runs: list[dict], n_phases: int) -> list[str]:
+    """Two table rows for the final method's soups: the FLOP speedup, and what the sparse runtime measured."""
+    name, _ = _final_rows(runs[0])
+    flops: list[list[float]] = [[] for _ in range(n_phases)]
+    measured: list[list[float]] = [[] for _ in range(n_phases)]
+    for run in runs:
+        rows = _final_rows(run)[1][-n_phases:]
+        for col, row in enumerate(rows, start=n_phases - len(rows)):  # GMP/DPF without SMS: one row, the last phase
+            if isinstance(row.get("speedup"), (int, float)):
+                flops[col].append(row["speedup"])
+            if (row.get("measured_speedup") or {}).get("speedup") is not None:
+                measured[col].append(row["measured_speedup"]["speedup"])
+
+    def cell(values: list[float], missing: str) -> str:
+        return f"{statistics.mean(values):.2f}x" if values else missing
+
+    label = ROW_NAMES.get(name, name)
+    return [
+        f"| {label}: speedup, FLOPs | " + " | ".join(cell(c, "-") for c in flops) + " |",
+        f"| {label}: speedup, measured | " + " | ".join(cell(c, "not measured") for c in measured) + " |",
+    ]
 
 
 def measured_line(runs: list[dict]) -> str:
@@ -78,8 +107,7 @@ def measured_line(runs: list[dict]) -> str:
     lines = []
     for run in runs:
         record = run.get("measured_speedup")
-        rows = run["rows"]
-        final = rows.get(run.get("final_row"), next(iter(rows.values())))[-1].get("speedup")  # older files: first
+        final = _final_rows(run)[1][-1].get("speedup")
         flops = f"{final:.2f}x" if isinstance(final, (int, float)) else "-"
         lines.append(f"final soup speedup: {flops} in FLOPs, measured {format_measured(record)}")
     return "\n".join(lines)

@@ -30,7 +30,6 @@ from .loop.distributed import launched_world_size
 from .loop.run_directory import lock_folder
 from .loop.sms import SparseModelSoup
 from .results import format_table, measured_line, reported_tests
-from .schedules import PRETRAIN_SHAPES
 from .smoke import SMOKE_ARGS
 from .trainer import SparseSoupTrainer
 
@@ -309,19 +308,6 @@ class ImageFiles(torch.utils.data.Dataset):
             return {"x": self.transform(image.convert("RGB")), "labels": self.labels[i]}
 
 
-class _Pretrainer(SparseSoupTrainer):
-    """Dense training whose LR follows ``PRETRAIN_SHAPES[args.pretrain_schedule]`` from ``args.learning_rate``."""
-
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        if self.lr_scheduler is None:
-            shape, lo = PRETRAIN_SHAPES[self.args.pretrain_schedule], self.args.eta_min / self.args.eta_max
-            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer or self.optimizer, lambda step: shape(step / num_training_steps, 1.0, lo)
-            )
-            self._created_lr_scheduler = True
-        return self.lr_scheduler
-
-
 _PRETRAINING = ("pretrain_epochs", "pretrain_schedule", "learning_rate", "per_device_train_batch_size")
 _PRETRAINING += ("weight_decay", "optim", "optim_args", "seed")
 
@@ -377,7 +363,9 @@ def pretrain(model: torch.nn.Module, args, train_dataset, folder: str, **trainer
     lock = lock_folder(folder, "pretraining", "--dense_dir") if int(os.environ.get("RANK", 0)) == 0 else None
     try:
         logger.info("[hf-sms] dense model: pretraining %s epochs into %s", args.pretrain_epochs, folder)
-        trainer = _Pretrainer(model, pre, masks={}, train_dataset=train_dataset, **trainer_kwargs)
+        trainer = SparseSoupTrainer(
+            model, pre, masks={}, train_dataset=train_dataset, lr_schedule="pretrain", **trainer_kwargs
+        )
         trainer.train()
         if n > 1:  # DDP syncs buffers before each forward, so the last step left BatchNorm statistics per process
             for buffer in model.buffers():

@@ -8,18 +8,19 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
 from .checkpoint.constants import MASKS_NAME
+from .checkpoint.families import family_of_model
 from .checkpoint.masks import load_pruning_step, save_masks
-from .config import SparseSoupConfig
+from .config import LR_SCHEDULES, SparseSoupConfig
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
 from .pruning.masks import PruningStep, apply_masks, prune
 from .pruning.prunable import Masks
-from .schedules import ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
+from .schedules import PRETRAIN_SHAPES, ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
 from .seeding import EpochShuffleSampler
 
 
@@ -29,11 +30,6 @@ def cross_entropy_loss(outputs, labels, num_items_in_batch=None):
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction=reduction)
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
-
-
-class _HubMixinConfig(dict):
-    """smp's config is a plain dict; Trainer sets ``config.use_cache`` on it. As an attribute of this
-    subclass the flag stays out of the dict, so smp's saved config.json is unchanged."""
 
 
 class _MaskCallback(TrainerCallback):
@@ -71,7 +67,9 @@ class SparseSoupTrainer(Trainer):
             usual accelerate behaviour.
         lr_schedule: ``"retrain"``: the retraining schedule ``args.retrain_schedule`` (docs/method.md §3);
             ``"original"``: transformers' own ``args.lr_scheduler_type`` schedule, for pruning during
-            training (GMP, DPF; docs/method.md §7). ``None``: ``args.lr_schedule`` if set, else ``"retrain"``.
+            training (GMP, DPF; docs/method.md §7); ``"pretrain"``: dense training along
+            ``PRETRAIN_SHAPES[args.pretrain_schedule]`` from ``args.learning_rate`` (the shape LRW, SLR and ALLR
+            then assume; pass ``masks={}``). ``None``: ``args.lr_schedule`` if set, else ``"retrain"``.
         masking: the :class:`~hf_sms.pruning.enforcement.MaskingPolicy` that keeps the masks (default
             :class:`~hf_sms.pruning.enforcement.ExactMasking`; DPF hands its
             :class:`~hf_sms.methods.dpf.FeedbackMasking`).
@@ -100,12 +98,13 @@ class SparseSoupTrainer(Trainer):
             args = SparseSoupConfig(output_dir="tmp_trainer")
         elif not isinstance(args, SparseSoupConfig):
             args = SparseSoupConfig(**{**args.to_dict(), "hub_token": args.hub_token})
-        if model is not None and not isinstance(model, PreTrainedModel):
-            if type(getattr(model, "_hub_mixin_config", None)) is dict:
-                model._hub_mixin_config = _HubMixinConfig(model._hub_mixin_config)
-            kwargs.setdefault("compute_loss_func", cross_entropy_loss)
-            if args.label_names is None:
-                args.label_names = ["labels"]
+        if model is not None:  # what the model's library needs (smp's config, a loss for logits-only models)
+            family = family_of_model(model)
+            family.prepare_training(model)
+            if not family.computes_loss:
+                kwargs.setdefault("compute_loss_func", cross_entropy_loss)
+                if args.label_names is None:
+                    args.label_names = ["labels"]
         super().__init__(model=model, args=args, **kwargs)
         if masks is None:
             step = prune(self.model, args.target_sparsity, args.allocation)
@@ -116,8 +115,8 @@ class SparseSoupTrainer(Trainer):
         if step.masks and not any(bool(m.any()) for m in step.masks.values()):
             raise ValueError("the masks prune every weight (all False): nothing would train; True marks a kept weight")
         self.lr_schedule = lr_schedule or getattr(args, "lr_schedule", "retrain")
-        if self.lr_schedule not in ("retrain", "original"):
-            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose 'retrain' or 'original'")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose one of {LR_SCHEDULES}")
         if step_offset < 0 or (total_steps is not None and total_steps <= step_offset):
             raise ValueError(f"need 0 <= step_offset < total_steps, got {step_offset} and {total_steps}")
         self.step_offset, self.total_steps = step_offset, total_steps
@@ -210,6 +209,13 @@ class SparseSoupTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if self.lr_scheduler is None and self.lr_schedule == "original":
             return self._original_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None and self.lr_schedule == "pretrain":
+            shape, lo = PRETRAIN_SHAPES[self.args.pretrain_schedule], self.args.eta_min / self.args.eta_max
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer or self.optimizer, lambda step: shape(step / num_training_steps, 1.0, lo)
+            )
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
         if self.lr_scheduler is None:
             args = self.args
             ratio = self._retrain_epochs(num_training_steps) / args.pretrain_epochs if args.pretrain_epochs else 1.0

@@ -87,6 +87,11 @@ _SAME_WIDTH_INT = {
 }
 
 
+def untimed(rows: dict) -> dict:
+    """A run's rows without their measured speedups (timings differ between runs; everything else must not)."""
+    return {m: [{k: v for k, v in r.items() if k != "measured_speedup"} for r in rs] for m, rs in rows.items()}
+
+
 def float_bits(t: torch.Tensor) -> torch.Tensor:
     """Bit pattern of a float tensor with -0.0 folded into +0.0 (pruned weights load as +0.0)."""
     return (t + 0.0).view(_SAME_WIDTH_INT[t.dtype])

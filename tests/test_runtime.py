@@ -201,6 +201,10 @@ def test_load_sparse_into_the_runtime_refuses_what_it_cannot(tmp_path):
         load_sparse(str(tmp_path / "ckpt"), runtime="semi_structured")
     with pytest.raises(ValueError, match="sample_input"):
         load_sparse(str(tmp_path / "ckpt"), runtime="auto")
+    save_sparse(_pruned(_mlp()), str(tmp_path / "mlp"))
+    other = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+    with pytest.raises(ValueError, match=r"0.weight: checkpoint \(256, 64\) vs model \(128, 64\)"):
+        load_sparse(str(tmp_path / "mlp"), other, runtime="csr")  # a template of another width
 
 
 def test_a_tied_embedding_and_lm_head_share_one_csr(tmp_path):
@@ -225,7 +229,7 @@ def test_a_tied_embedding_and_lm_head_share_one_csr(tmp_path):
 
 
 # -- measured speedups in reports ----------------------------------------------------------------------------------
-def test_an_sms_run_reports_the_measured_speedup_of_its_final_soup(tmp_path, capsys):
+def test_an_sms_run_reports_the_measured_speedup_of_every_soup(tmp_path, capsys):
     import json
 
     from conftest import sms_config
@@ -237,21 +241,31 @@ def test_an_sms_run_reports_the_measured_speedup_of_its_final_soup(tmp_path, cap
     from hf_sms.evaluation import ClassificationAccuracy
 
     train, val, test = load_digits_splits(seed=0)
-    args = sms_config(tmp_path, n_phases=1, max_steps=2)
+    args = sms_config(tmp_path, n_phases=2, max_steps=2, baselines=["imp"])
     _, results = run_sms(DigitsResNet(width=8), args, train, ClassificationAccuracy(), eval_dataset=val)
+    rows = results["rows"]
+    soups = [row["measured_speedup"] for row in rows["sms_uniform"]]  # every phase's soup, timed
+    assert all(r["speedup"] > 0 and r["dense_ms"] > 0 and r["threads"] == torch.get_num_threads() for r in soups)
+    assert all(r["input"].startswith("x 8x1x8x8") for r in soups)  # one validation batch (per_device_eval_batch_size)
+    assert [r["measured_speedup"] for r in rows["best_candidate"]] == soups  # the soup's mask is theirs
+    assert [r["measured_speedup"] for r in rows["imp"]] == [None, None]  # baselines: "not measured"
     record = results["measured_speedup"]
-    assert record["speedup"] > 0 and record["dense_ms"] > 0 and record["threads"] == torch.get_num_threads()
-    assert record["input"].startswith("x 8x1x8x8")  # one validation batch (per_device_eval_batch_size)
+    assert record == soups[-1]  # the final soup is the last phase's: timed once
     saved = json.loads((tmp_path / "run" / "results.json").read_text())["measured_speedup"]
     soup = json.loads((tmp_path / "run" / "final_soup" / "sparsity.json").read_text())["metrics"]
     assert saved == record and soup["measured_speedup"] == record and soup["speedup"] > 1
     assert main(["table", str(tmp_path / "run" / "results.json")]) == 0
-    assert f"measured {record['speedup']:.2f}x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"measured {record['speedup']:.2f}x" in out
+    cells = " | ".join(f"{r['speedup']:.2f}x" for r in soups)
+    assert f"| SMS (uniform): speedup, measured | {cells} |" in out
     off = run_sms(
         DigitsResNet(width=8), sms_config(tmp_path / "off", n_phases=1, max_steps=2, measure_speedup=False),
         train, ClassificationAccuracy(), eval_dataset=val,
     )[1]  # fmt: skip
-    assert "measured_speedup" not in off
+    assert "measured_speedup" not in off and off["rows"]["sms_uniform"][0]["measured_speedup"] is None
+    assert main(["table", str(tmp_path / "off" / "run" / "results.json")]) == 0
+    assert "| SMS (uniform): speedup, measured | not measured |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("case", ["t5", "timm"])

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import untimed
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = ROOT / "recipes" / "configs"
@@ -109,7 +110,7 @@ def test_smoke_run_on_two_processes(smoke_runs, recipe):
             k: [r["sparsity"] for r in v] for k, v in one["rows"].items()
         }
     else:
-        assert two["rows"] == one["rows"] and two["dense"] == one["dense"]
+        assert untimed(two["rows"]) == untimed(one["rows"]) and two["dense"] == one["dense"]
     replicas = sorted(str(p.parent.relative_to(runs[2])) for p in runs[2].glob("sms/phase*/replica*/sparsity.json"))
     assert replicas == [f"sms/phase{p}/replica{i}" for p in (1, 2) for i in (0, 1)]  # replica1: written by rank 1
     if recipe == "t5_wmt16":  # the soup of a 2-process run loads with plain transformers after `import hf_sms`

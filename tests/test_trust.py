@@ -332,12 +332,12 @@ def test_pretraining_splits_the_global_batch_over_the_processes(tmp_path, digits
     train, _, _ = digits
     seen = {}
 
-    class Spy(scripts._Pretrainer):
+    class Spy(scripts.SparseSoupTrainer):
         def __init__(self, model, args, **kwargs):
             seen["per_device"] = args.per_device_train_batch_size
             raise RuntimeError("stop here")
 
-    monkeypatch.setattr(scripts, "_Pretrainer", Spy)
+    monkeypatch.setattr(scripts, "SparseSoupTrainer", Spy)
     monkeypatch.setattr(scripts, "launched_world_size", lambda: 2)
     args = SparseSoupConfig(
         output_dir=str(tmp_path / "run"), pretrain_epochs=1, per_device_train_batch_size=128, report_to="none",

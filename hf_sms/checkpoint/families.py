@@ -39,15 +39,20 @@ class Family:
 
     ``transformers_loadable``: transformers' ``from_pretrained`` reads the family's folders, so in the
     bitmask format ``config.json`` gets the ``quantization_config`` through which transformers decodes.
+    ``computes_loss``: the model returns its loss when given ``labels`` (else the trainer adds cross-entropy).
     """
 
     library = ""
     hub_library_name = "pytorch"  # library_name in the model card's front matter
     transformers_loadable = False
+    computes_loss = False
 
     def detects(self, model: nn.Module) -> bool:
         """Whether ``model`` belongs to this family."""
         return False
+
+    def prepare_training(self, model: nn.Module) -> None:
+        """Adapt ``model``, in place, to what transformers' ``Trainer`` does to the models it trains."""
 
     def architecture_of_config(self, config: dict) -> str | None:
         """The architecture named by a ``config.json`` this family writes, else ``None``."""
@@ -121,7 +126,7 @@ class Family:
 
 class TransformersFamily(Family):
     library = hub_library_name = "transformers"
-    transformers_loadable = True
+    transformers_loadable = computes_loss = True
 
     def detects(self, model):
         from transformers import PreTrainedModel
@@ -222,12 +227,21 @@ class TimmFamily(Family):
         return ["import timm", "", f"model = timm.create_model({source}, pretrained=True)"]
 
 
+class _HubMixinConfig(dict):
+    """smp's config is a plain dict; Trainer sets ``config.use_cache`` on it. As an attribute of this
+    subclass the flag stays out of the dict, so smp's saved config.json is unchanged."""
+
+
 class SmpFamily(Family):
     library = "segmentation_models_pytorch"
     hub_library_name = "segmentation-models-pytorch"
 
     def detects(self, model):
         return type(model).__module__.startswith("segmentation_models_pytorch") and hasattr(model, "save_pretrained")
+
+    def prepare_training(self, model):
+        if type(getattr(model, "_hub_mixin_config", None)) is dict:
+            model._hub_mixin_config = _HubMixinConfig(model._hub_mixin_config)
 
     def architecture_of_config(self, config):
         return config.get("_model_class")

@@ -87,23 +87,18 @@ def load_runtime(
     shared: dict[tuple[str, bool], torch.Tensor] = {}  # (checkpoint key, transposed): its CSR, for tied weights
     done: set[str] = set()  # model tensor names already in place
     candidates = [] if layout == "dense" else _candidates(model)
-    reads = _Prefetch(ckpt, [keys[f"{name}.weight"] for name, *_ in candidates])
+    reads = _Prefetch(ckpt, stats, [(keys[f"{name}.weight"], module) for name, module, *_ in candidates])
     try:
         for name, module, kind, weight in candidates:
             key = keys[f"{name}.weight"]
             transposed = is_conv1d(module)  # stores (in, out); the runtime multiplies by (out, in)
             if (key, transposed) not in shared:
-                positions, values, shape = reads.get(key)
-                if stats is not None and key not in stats.per_tensor:
-                    stats.add(key, positions_mask(positions, weight.numel()), "", shape)
+                positions, values, csr = reads.get(key, transposed)
                 sparsity = 1.0 - positions.numel() / max(weight.numel(), 1)
                 choice = plan(report, name, module, kind, values, sparsity, "csr", min_sparsity)
                 if choice.layout == "dense":
                     continue
-                matrix = (shape[0], weight.numel() // shape[0])
-                if transposed:
-                    positions, values, matrix = _transposed(positions, values, matrix)
-                shared[key, transposed] = csr_from_positions(positions, values, matrix)
+                shared[key, transposed] = csr if csr is not None else _csr(positions, values, module, transposed)
             else:
                 report.layers.append(
                     replace(next(c for c in report.layers if keys[f"{c.name}.weight"] == key), name=name)
@@ -136,12 +131,23 @@ def load_runtime(
     return model
 
 
-class _Prefetch:
-    """``ckpt.read_sparse`` of the given keys on a thread pool, a few ahead of their use, in order (numpy, zlib
-    and file reads release the GIL); at most ``2 * workers()`` decoded tensors wait at a time."""
+def _csr(positions: torch.Tensor, values: torch.Tensor, module: nn.Module, transposed: bool) -> torch.Tensor:
+    """The CSR matrix the runtime multiplies by: (out, in), or (out, in * k * k) for a conv."""
+    matrix = (module.weight.shape[0], module.weight.numel() // max(module.weight.shape[0], 1))
+    if transposed:
+        positions, values, matrix = _transposed(positions, values, matrix)
+    return csr_from_positions(positions, values, matrix)
 
-    def __init__(self, ckpt: SparseCheckpoint, keys: list[str]):
-        self.ckpt, self.order = ckpt, list(dict.fromkeys(keys))
+
+class _Prefetch:
+    """Reads, mask digests and CSR builds of the pruned layers on a thread pool, a few ahead of their use, in
+    order: numpy, zlib, file reads and torch's ops release the GIL, so they overlap with the main thread's
+    module swaps and use every core. At most ``2 * workers()`` results wait at a time."""
+
+    def __init__(self, ckpt: SparseCheckpoint, stats: MaskStats | None, jobs: list[tuple[str, nn.Module]]):
+        self.ckpt, self.stats = ckpt, stats
+        self.order = list(dict.fromkeys(key for key, _ in jobs))
+        self.module = {key: module for key, module in reversed(jobs)}  # each key's first layer
         self.pool = ThreadPoolExecutor(max_workers=workers())
         self.pending: dict[str, Future] = {}
         self.position = 0
@@ -150,14 +156,24 @@ class _Prefetch:
     def _fill(self) -> None:
         while self.position < len(self.order) and len(self.pending) < 2 * workers():
             key = self.order[self.position]
-            self.pending[key] = self.pool.submit(self.ckpt.read_sparse, key)
+            self.pending[key] = self.pool.submit(self._prepare, key)
             self.position += 1
 
-    def get(self, key: str):
+    def _prepare(self, key: str):
+        """``(positions, values, CSR or None)`` of ``key``; the CSR as its first layer multiplies by it."""
+        module = self.module[key]
+        positions, values, shape = self.ckpt.read_sparse(key)
+        if tuple(shape) != tuple(module.weight.shape):
+            raise ValueError(f"{key}: checkpoint {tuple(shape)} vs model {tuple(module.weight.shape)}; re-save it")
+        if self.stats is not None:  # each key once, from one thread: the digest is of the stored positions
+            self.stats.add(key, positions_mask(positions, module.weight.numel()), "", shape)
+        return positions, values, _csr(positions, values, module, is_conv1d(module))
+
+    def get(self, key: str, transposed: bool):
         future = self.pending.pop(key, None)
-        result = future.result() if future is not None else self.ckpt.read_sparse(key)
+        positions, values, csr = future.result() if future is not None else self._prepare(key)
         self._fill()
-        return result
+        return positions, values, csr if transposed == is_conv1d(self.module[key]) else None
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -37,21 +37,25 @@ class Recorder:
             the selection metric (for the prediction ensemble).
         example: ``fn() -> one batch``, for the FLOP count.
         path: where ``results.json`` goes.
+        timer: ``fn(model) -> record`` timing a model dense vs the sparse runtime (main process only), or None:
+            rows then say "not measured".
     """
 
-    def __init__(self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path):
+    def __init__(self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path, timer=None):
         self.results, self.world, self.tests = results, world, tests
         self.metric_fn, self.eval_dataset, self.test_dataset = metric_fn, eval_dataset, test_dataset
-        self.example, self.path = example, path
+        self.example, self.path, self.timer = example, path, timer
 
     def evaluate(self, model: nn.Module, dataset) -> float | None:
         return None if dataset is None else float(self.metric_fn(model, dataset))
 
-    def measure(self, model: nn.Module, val: float | None = None) -> dict:
-        """Sparsity, FLOP speedup, validation (``val`` if the phase step scored it already) and every test set."""
+    def measure(self, model: nn.Module, val: float | None = None, timed: bool = False) -> dict:
+        """Sparsity, FLOP speedup, the measured one (``timed``: a model that can be the run's result; else None,
+        "not measured"), validation (``val`` if the phase step scored it already) and every test set."""
         return {
             "sparsity": sparsity_report(model)["sparsity"],
             "speedup": theoretical_speedup(model, self.example()),
+            "measured_speedup": self.timer(model) if timed and self.timer and self.world.is_main else None,
             "val": val if val is not None else self.evaluate(model, self.eval_dataset),
             **self.test_scores(model),
         }
@@ -85,10 +89,11 @@ class Recorder:
         scores = self.world.gather({i: self.test_scores(c)["tests"] for i, c in cands.items()})
         tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
         test = next(iter(tests.values()), [None] * len(val))
-        self.row(f"sms_{method}", p, self.measure(soup), kept=result.kept)
+        self.row(f"sms_{method}", p, self.measure(soup, timed=True), kept=result.kept)
         if primary:  # the candidates of the trajectory reported as the final soup
             best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
-            same = {k: self.results["rows"][f"sms_{method}"][-1][k] for k in ("sparsity", "speedup")}  # same mask
+            same_mask = ("sparsity", "speedup", "measured_speedup")  # the soup's: its mask is theirs
+            same = {k: self.results["rows"][f"sms_{method}"][-1][k] for k in same_mask}
             picked = {"val": val[best], "test": test[best], "tests": {n: v[best] for n, v in tests.items()}}
             self.row("best_candidate", p, {**same, **picked}, index=best)
             mean = {"val": _mean(val), "test": _mean(test), "tests": {n: _mean(v) for n, v in tests.items()}}
@@ -128,8 +133,7 @@ class Recorder:
                 for split, value, metric in evaluations
                 if value is not None
             ]
-        measured = self.results.get("measured_speedup")
-        return card_metrics(results=results, speedup=row.get("speedup"), measured=measured)
+        return card_metrics(results=results, speedup=row.get("speedup"), measured=row.get("measured_speedup"))
 
     def save(self) -> None:
         if self.world.is_main:

@@ -31,7 +31,6 @@ def bimp(ctx):
         replicas_per_phase=per_phase,
         merge_methods=a.merge_methods[:1],
         push_to_hub=False,
-        measure_speedup=False,  # the outer run times the final soup
     )
     inner = ctx.nested(cycles, dense)
     inner.run()
