@@ -199,7 +199,7 @@ def main():
         if "vision" in cli.only:
             bench_vision(threads, cli.repeats, cli.quick)
     if "load" in cli.only:
-        bench_load(0.9, 1 if cli.quick else 3)
+        bench_load(0.9, 1 if cli.quick else 7)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\n{time.time() - start:.0f} s, this process's peak RSS {peak:.0f} MB", json.dumps({"threads": cli.threads}))
 

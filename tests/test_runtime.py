@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 from conftest import make_pspnet, make_resnet, make_t5
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from hf_sms import apply_masks, compute_masks, to_sparse_runtime
@@ -283,3 +285,18 @@ def test_hf_sms_speed_times_a_saved_soup(tmp_path, capsys, case):
     save_sparse(_pruned(_mlp()), str(tmp_path / "plain"))
     assert main(["speed", str(tmp_path / "plain")]) == 2  # a plain torch model needs a template: a clear error
     assert "template" in capsys.readouterr().err
+
+
+@given(rows=st.integers(1, 12), cols=st.integers(1, 12), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_csr_from_positions_is_the_dense_matrix_as_csr(rows, cols, density, seed):
+    from hf_sms.runtime.layers import csr_from_positions
+
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(rows, cols, generator=g) * (torch.rand(rows, cols, generator=g) < density)
+    positions = torch.nonzero(dense.reshape(-1)).reshape(-1)  # empty rows and an empty matrix included
+    csr = csr_from_positions(positions, dense.reshape(-1)[positions], (rows, cols))
+    expected = dense.to_sparse_csr()
+    assert torch.equal(csr.crow_indices().long(), expected.crow_indices().long())
+    assert torch.equal(csr.col_indices().long(), expected.col_indices().long())
+    assert torch.equal(csr.to_dense(), dense)

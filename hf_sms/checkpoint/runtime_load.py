@@ -9,6 +9,7 @@ tensor is read dense. Tensors the model ties together (T5's embedding and ``lm_h
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -74,31 +75,40 @@ def load_runtime(
             "load_sparse(runtime='semi_structured') is not a loading layout: load with runtime=None, move the model "
             "to the GPU in fp16/bf16, then call hf_sms.to_sparse_runtime(model, 'semi_structured')"
         )
-    if model is None:
-        with init_empty_weights(include_buffers=False):
-            model = ckpt.family.instantiate(ckpt, **kwargs)
-        ckpt.family.tie_weights(model)  # outside: init_empty_weights re-creates every parameter it sees set
-    model.eval()  # before any sample runs: BatchNorm statistics must not move
-    device = check_request(model, layout, sample_input, min_sparsity)
-    report = RuntimeReport(layout, str(device), torch.get_num_threads())
-    keys = _tensor_keys(model, ckpt)
     stats = MaskStats() if verify else None  # mask digests taken while reading: each index is decoded once
-    swaps: dict[str, Swap] = {}
-    shared: dict[tuple[str, bool], torch.Tensor] = {}  # (checkpoint key, transposed): its CSR, for tied weights
-    done: set[str] = set()  # model tensor names already in place
-    candidates = [] if layout == "dense" else _candidates(model)
-    reads = _Prefetch(ckpt, stats, [(keys[f"{name}.weight"], module) for name, module, *_ in candidates])
+    # decoding starts at once, on the pool, while the model is imported and built (the longest part)
+    reads = _Prefetch(ckpt, stats, min_sparsity if layout != "dense" else 2.0)
     try:
+        if model is None:
+            with init_empty_weights(include_buffers=False):
+                model = ckpt.family.instantiate(ckpt, **kwargs)
+            ckpt.family.tie_weights(model)  # outside: init_empty_weights re-creates every parameter it sees set
+        model.eval()  # before any sample runs: BatchNorm statistics must not move
+        device = check_request(model, layout, sample_input, min_sparsity)
+        report = RuntimeReport(layout, str(device), torch.get_num_threads())
+        keys = _tensor_keys(model, ckpt)
+        swaps: dict[str, Swap] = {}
+        shared: dict[tuple[str, bool], torch.Tensor] = {}  # (checkpoint key, transposed): its CSR, for tied weights
+        done: set[str] = set()  # model tensor names already in place
+        candidates = [] if layout == "dense" else _candidates(model)
+        reads.submit([keys[f"{name}.weight"] for name, *_ in candidates])  # those stored dense, if any
         for name, module, kind, weight in candidates:
             key = keys[f"{name}.weight"]
             transposed = is_conv1d(module)  # stores (in, out); the runtime multiplies by (out, in)
             if (key, transposed) not in shared:
-                positions, values, csr = reads.get(key, transposed)
-                sparsity = 1.0 - positions.numel() / max(weight.numel(), 1)
-                choice = plan(report, name, module, kind, values, sparsity, "csr", min_sparsity)
+                nnz, shape, values, csr = reads.get(key)
+                if tuple(shape) != tuple(module.weight.shape):
+                    model_shape = tuple(module.weight.shape)
+                    raise ValueError(f"{key}: checkpoint {tuple(shape)} vs model {model_shape}; re-save it")
+                choice = plan(
+                    report, name, module, kind, values, 1.0 - nnz / max(weight.numel(), 1), "csr", min_sparsity
+                )
                 if choice.layout == "dense":
                     continue
-                shared[key, transposed] = csr if csr is not None else _csr(positions, values, module, transposed)
+                if transposed:  # rare (GPT-2's Conv1D): read again, in the order the runtime multiplies
+                    positions, values, _ = ckpt.read_sparse(key)
+                    csr = csr_from_positions(*_transposed(positions, values, (shape[0], shape[1])))
+                shared[key, transposed] = csr
             else:
                 report.layers.append(
                     replace(next(c for c in report.layers if keys[f"{c.name}.weight"] == key), name=name)
@@ -131,49 +141,44 @@ def load_runtime(
     return model
 
 
-def _csr(positions: torch.Tensor, values: torch.Tensor, module: nn.Module, transposed: bool) -> torch.Tensor:
-    """The CSR matrix the runtime multiplies by: (out, in), or (out, in * k * k) for a conv."""
-    matrix = (module.weight.shape[0], module.weight.numel() // max(module.weight.shape[0], 1))
-    if transposed:
-        positions, values, matrix = _transposed(positions, values, matrix)
-    return csr_from_positions(positions, values, matrix)
-
-
 class _Prefetch:
-    """Reads, mask digests and CSR builds of the pruned layers on a thread pool, a few ahead of their use, in
-    order: numpy, zlib, file reads and torch's ops release the GIL, so they overlap with the main thread's
-    module swaps and use every core. At most ``2 * workers()`` results wait at a time."""
+    """Reads, mask digests and CSR builds of a checkpoint's sparse tensors on a thread pool (numpy, zlib, file
+    reads and torch's ops release the GIL, so they overlap with building the model and use every core).
 
-    def __init__(self, ckpt: SparseCheckpoint, stats: MaskStats | None, jobs: list[tuple[str, nn.Module]]):
-        self.ckpt, self.stats = ckpt, stats
-        self.order = list(dict.fromkeys(key for key, _ in jobs))
-        self.module = {key: module for key, module in reversed(jobs)}  # each key's first layer
+    Every encoded tensor is submitted at once, in file order; what a job keeps is what the runtime keeps anyway
+    (the CSR matrix, as stored: rows = the first dimension), or nothing for a tensor below ``min_sparsity``,
+    which loads dense. Tensors stored dense are submitted once the model names them (:meth:`submit`).
+    """
+
+    def __init__(self, ckpt: SparseCheckpoint, stats: MaskStats | None, min_sparsity: float):
+        self.ckpt, self.stats, self.min_sparsity = ckpt, stats, min_sparsity
         self.pool = ThreadPoolExecutor(max_workers=workers())
         self.pending: dict[str, Future] = {}
-        self.position = 0
-        self._fill()
+        if min_sparsity <= 1.0:
+            self.submit([key for key in ckpt.names() if ckpt.is_encoded(key)])
 
-    def _fill(self) -> None:
-        while self.position < len(self.order) and len(self.pending) < 2 * workers():
-            key = self.order[self.position]
-            self.pending[key] = self.pool.submit(self._prepare, key)
-            self.position += 1
+    def submit(self, keys: list[str]) -> None:
+        for key in keys:
+            if key not in self.pending:
+                self.pending[key] = self.pool.submit(self._prepare, key)
 
     def _prepare(self, key: str):
-        """``(positions, values, CSR or None)`` of ``key``; the CSR as its first layer multiplies by it."""
-        module = self.module[key]
+        """``(nnz, shape, values, CSR or None)`` of ``key``."""
         positions, values, shape = self.ckpt.read_sparse(key)
-        if tuple(shape) != tuple(module.weight.shape):
-            raise ValueError(f"{key}: checkpoint {tuple(shape)} vs model {tuple(module.weight.shape)}; re-save it")
+        numel = math.prod(shape)
         if self.stats is not None:  # each key once, from one thread: the digest is of the stored positions
-            self.stats.add(key, positions_mask(positions, module.weight.numel()), "", shape)
-        return positions, values, _csr(positions, values, module, is_conv1d(module))
+            self.stats.add(key, positions_mask(positions, numel), "", shape)
+        if len(shape) < 2 or 1.0 - positions.numel() / max(numel, 1) < self.min_sparsity:
+            return positions.numel(), shape, values[:0], None
+        return (
+            positions.numel(),
+            shape,
+            values[:0],
+            csr_from_positions(positions, values, (shape[0], numel // shape[0])),
+        )
 
-    def get(self, key: str, transposed: bool):
-        future = self.pending.pop(key, None)
-        positions, values, csr = future.result() if future is not None else self._prepare(key)
-        self._fill()
-        return positions, values, csr if transposed == is_conv1d(self.module[key]) else None
+    def get(self, key: str):
+        return self.pending[key].result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
