@@ -16,10 +16,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
-from transformers import PreTrainedModel
 
 from ..batchnorm import forward_batch
-from ..pruning.prunable import _CONV, prunable_tensors, unfused_attention
+from ..pruning.prunable import _CONV, accepts_labels, prunable_tensors, unfused_attention
 from ..pruning.structured import filter_sparsity, module_zero_filters
 
 # aten matmuls and convolutions -> argument positions of their two operands (addmm/baddbmm add a bias first).
@@ -115,7 +114,7 @@ def _count(model: nn.Module, batch, channel_test=None) -> _WeightFlops:
     try:
         with unfused_attention(), counter:
             device = next(model.parameters()).device
-            forward_batch(model, batch, device, keep_labels=isinstance(model, PreTrainedModel))
+            forward_batch(model, batch, device, keep_labels=accepts_labels(model))
     finally:
         model.train(was_training)
     return counter
