@@ -4,6 +4,7 @@ model family gets every generic test by being registered, so one that breaks a p
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hf_sms.checkpoint import FAMILIES, merge_checkpoints
 from hf_sms.data import load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.methods.common import MethodContext
 from hf_sms.pruning import masks_from_model
 from hf_sms.soup import soup, uniform_soup
 
@@ -90,9 +92,37 @@ def test_every_family_round_trips_and_merges(tmp_path, library):
 
 
 # -- pruning methods and baselines: a tiny end-to-end run each ---------------------------------------------------
+class _OnlyTheContext:
+    """The loop seen through :class:`MethodContext`: any other attribute is an error, so a method that reaches
+    into the runner fails its contract test."""
+
+    def __init__(self, ctx):
+        object.__setattr__(self, "_ctx", ctx)
+
+    def __getattr__(self, name):
+        declared = set(MethodContext.__annotations__) | {n for n in vars(MethodContext) if not n.startswith("_")}
+        if name not in declared:
+            raise AttributeError(f"a method used ctx.{name}, which MethodContext does not declare")
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a method set ctx.{name}: methods return their results and record through ctx.recorder")
+
+
+def _narrowed(monkeypatch, registry, name):
+    """Registry entry ``name`` (and its preflight) called with the loop narrowed to :class:`MethodContext`."""
+    entry = registry._entries[name]
+    meta = {**entry.meta}
+    if "preflight" in meta:
+        meta["preflight"] = lambda ctx, f=meta["preflight"]: f(_OnlyTheContext(ctx))
+    narrowed = dataclasses.replace(entry, obj=lambda ctx: entry.obj(_OnlyTheContext(ctx)), meta=meta)
+    monkeypatch.setitem(registry._entries, name, narrowed)
+
+
 @pytest.mark.parametrize("name", hf_sms.PRUNING_METHODS.names())
-def test_every_pruning_method_runs_end_to_end(tmp_path, digits, name):
+def test_every_pruning_method_runs_end_to_end(tmp_path, digits, name, monkeypatch):
     train, val, test = digits
+    _narrowed(monkeypatch, hf_sms.PRUNING_METHODS, name)  # a method sees the loop only as MethodContext
     tiny = hf_sms.PRUNING_METHODS.meta(name).get("tiny")
     assert tiny is not None, f"register {name!r} with tiny={{...}}: settings for a seconds-long run"
     args = sms_config(tmp_path, pruning_method=name, num_replicas=2, measure_speedup=False, **tiny)
@@ -102,8 +132,9 @@ def test_every_pruning_method_runs_end_to_end(tmp_path, digits, name):
 
 
 @pytest.mark.parametrize("name", hf_sms.BASELINES.names())
-def test_every_baseline_runs_end_to_end(tmp_path, digits, name):
+def test_every_baseline_runs_end_to_end(tmp_path, digits, name, monkeypatch):
     train, val, test = digits
+    _narrowed(monkeypatch, hf_sms.BASELINES, name)  # a baseline sees the loop only as MethodContext
     args = sms_config(tmp_path, n_phases=2, max_steps=2, baselines=[name], measure_speedup=False)
     _, results = run_sms(DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val)
     assert [r["phase"] for r in results["rows"][name]] == [1, 2]

@@ -20,7 +20,8 @@ from ..schedules import steps_per_epoch
 
 class MethodContext(Protocol):
     """What a pruning method or baseline uses of the loop: the run's inputs, one phase step, one-run training,
-    recalibration and recording. (:class:`hf_sms.loop.sms.SparseModelSoup` provides it.)"""
+    recalibration and recording. (:class:`hf_sms.loop.sms.SparseModelSoup` provides it; the contract tests run
+    every method and baseline with the loop narrowed to these members.)"""
 
     args: object  # the run's SparseSoupConfig
     world: object  # the ReplicaWorld: who trains what, gathers
