@@ -67,11 +67,12 @@ def csr_from_positions(positions: torch.Tensor, values: torch.Tensor, shape: tup
     materialising the dense matrix. The indices come from a file: torch checks them (a bad index would be a
     memory error in the kernel, not an exception)."""
     rows, cols = shape
-    index = np.int32 if rows * cols < 2**31 else np.int64
-    flat = positions.numpy()  # sorted: row r's entries are those in [r * cols, (r + 1) * cols)
-    crow = np.searchsorted(flat, np.arange(rows + 1, dtype=np.int64) * cols)
-    col = flat - np.repeat(np.arange(rows, dtype=np.int64) * cols, np.diff(crow))  # no division: 2x faster
-    crow, col = torch.from_numpy(crow.astype(index)), torch.from_numpy(col.astype(index))
+    index = torch.int32 if rows * cols < 2**31 else torch.int64
+    # sorted: row r's entries are those in [r * cols, (r + 1) * cols); numpy's searchsorted and torch's ops let
+    # other threads run (np.repeat would hold the GIL), and no integer division
+    crow = torch.from_numpy(np.searchsorted(positions.numpy(), np.arange(rows + 1, dtype=np.int64) * cols))
+    col = positions - torch.repeat_interleave(torch.arange(rows, dtype=torch.int64) * cols, crow.diff())
+    crow, col = crow.to(index), col.to(index)
     with _quiet_beta():
         return torch.sparse_csr_tensor(crow, col, values, size=shape, check_invariants=True)
 
