@@ -100,9 +100,8 @@ def load_runtime(
                 if tuple(shape) != tuple(module.weight.shape):
                     model_shape = tuple(module.weight.shape)
                     raise ValueError(f"{key}: checkpoint {tuple(shape)} vs model {model_shape}; re-save it")
-                choice = plan(
-                    report, name, module, kind, values, 1.0 - nnz / max(weight.numel(), 1), "csr", min_sparsity
-                )
+                sparsity = 1.0 - nnz / max(weight.numel(), 1)
+                choice = plan(report, name, module, kind, values, sparsity, "csr", min_sparsity)
                 if choice.layout == "dense":
                     continue
                 if transposed:  # rare (GPT-2's Conv1D): read again, in the order the runtime multiplies
@@ -168,14 +167,10 @@ class _Prefetch:
         numel = math.prod(shape)
         if self.stats is not None:  # each key once, from one thread: the digest is of the stored positions
             self.stats.add(key, positions_mask(positions, numel), "", shape)
-        if len(shape) < 2 or 1.0 - positions.numel() / max(numel, 1) < self.min_sparsity:
-            return positions.numel(), shape, values[:0], None
-        return (
-            positions.numel(),
-            shape,
-            values[:0],
-            csr_from_positions(positions, values, (shape[0], numel // shape[0])),
-        )
+        nnz, csr = positions.numel(), None
+        if len(shape) >= 2 and 1.0 - nnz / max(numel, 1) >= self.min_sparsity:
+            csr = csr_from_positions(positions, values, (shape[0], numel // shape[0]))
+        return nnz, shape, values[:0], csr  # values[:0]: the dtype, for the plan
 
     def get(self, key: str):
         return self.pending[key].result()
