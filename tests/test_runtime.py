@@ -144,6 +144,9 @@ def test_bad_input_gets_clear_errors():
         to_sparse_runtime(_pruned(_mlp()), "coo")
     with pytest.raises(ValueError, match=r"no cpu kernel for torch.bfloat16.*model.float\(\)"):
         to_sparse_runtime(_pruned(_mlp()).to(torch.bfloat16), "csr")
+    with pytest.warns(UserWarning, match="unchanged"):  # auto: a dtype without a kernel does not win; it says why
+        kept = to_sparse_runtime(_pruned(_mlp()).to(torch.bfloat16), "auto", torch.randn(4, 64).bfloat16())
+    assert {c.reason for c in kept.hf_sms_runtime.layers} >= {"no csr kernel for bfloat16 on cpu"}
     with pytest.raises(ValueError, match="CUDA GPU of compute capability >= 8.0"):
         to_sparse_runtime(_pruned(_mlp()), "semi_structured")
     assert to_sparse_runtime(_pruned(_mlp()), "dense")[0].__class__ is nn.Linear
@@ -268,6 +271,36 @@ def test_an_sms_run_reports_the_measured_speedup_of_every_soup(tmp_path, capsys)
     assert "measured_speedup" not in off and off["rows"]["sms_uniform"][0]["measured_speedup"] is None
     assert main(["table", str(tmp_path / "off" / "run" / "results.json")]) == 0
     assert "| SMS (uniform): speedup, measured | not measured |" in capsys.readouterr().out
+
+
+def test_a_timing_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    import json
+
+    from conftest import sms_config
+
+    import hf_sms.loop.sms
+    from hf_sms import run_sms
+    from hf_sms.cli import main
+    from hf_sms.data import load_digits_splits
+    from hf_sms.demo import DigitsResNet
+    from hf_sms.evaluation import ClassificationAccuracy
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(hf_sms.loop.sms, "measure_speedup", broken)
+    train, val, _ = load_digits_splits(seed=0)
+    _, results = run_sms(DigitsResNet(width=4), sms_config(tmp_path, max_steps=2), train, ClassificationAccuracy(),
+                         eval_dataset=val)  # fmt: skip
+    records = [r["measured_speedup"] for r in results["rows"]["sms_uniform"]]
+    assert records == [{"speedup": None, "error": "RuntimeError('no kernel today')"}] * 2
+    assert results["measured_speedup"] == records[-1]  # reused, not timed again
+    from hf_sms.hub import model_card
+
+    assert "not measured (RuntimeError('no kernel today'))" in model_card(str(tmp_path / "run" / "final_soup"))
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["measured_speedup"] == records[-1]
+    assert main(["table", str(tmp_path / "run" / "results.json")]) == 0
+    assert "| SMS (uniform): speedup, measured | not measured | not measured |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("case", ["t5", "timm"])

@@ -28,6 +28,7 @@ from .layers import (
     check_csr_dtype,
     check_semi_structured,
     dense_module,
+    has_csr_kernel,
     has_sparse_product,
     is_two_four,
     to_csr,
@@ -296,6 +297,8 @@ def plan(report, name, module, kind, weight, sparsity, target, min_sparsity) -> 
     choice = LayerChoice(name, kind, tuple(module.weight.shape), sparsity)
     report.layers.append(choice)
     why = _unsupported(module, kind, target)
+    if not why and target == "csr" and report.layout == "auto" and not has_csr_kernel(weight.dtype, weight.device):
+        why = f"no csr kernel for {str(weight.dtype).removeprefix('torch.')} on {weight.device.type}"  # forced: raises
     if kind == "embedding" and not why and sparsity >= min_sparsity:  # a lookup: kept for its memory, not timed
         check_csr_dtype(weight.dtype, weight.device)
         choice.layout, choice.reason = "csr", "memory: rows gathered from CSR (the whole model is timed)"

@@ -28,10 +28,15 @@ CSR_DTYPES = {
 }
 
 
+def has_csr_kernel(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch has a CSR matrix product for ``dtype`` on ``device``."""
+    return dtype in CSR_DTYPES.get(device.type, ())
+
+
 def check_csr_dtype(dtype: torch.dtype, device: torch.device) -> None:
     """Raise if torch has no CSR matrix product for ``dtype`` on ``device``."""
     supported = CSR_DTYPES.get(device.type, ())
-    if dtype not in supported:
+    if not has_csr_kernel(dtype, device):
         names = ", ".join(str(d).removeprefix("torch.") for d in supported) or "nothing"
         raise ValueError(
             f"the csr layout has no {device.type} kernel for {dtype} (it takes {names}): convert the model with "

@@ -63,7 +63,7 @@ def measure_speedup(
 def format_measured(record: dict | None) -> str:
     """One line for a measured-speedup record, or ``"not measured"``."""
     if not record or record.get("speedup") is None:
-        return "not measured"
+        return f"not measured ({record['error']})" if record and record.get("error") else "not measured"
     return (
         f"{record['speedup']:.2f}x ({record['dense_ms']:.2f} ms dense vs {record['runtime_ms']:.2f} ms; "
         f"{record['device']}, {record['threads']} thread(s), input {record['input']}; "
