@@ -7,7 +7,7 @@ import json
 import sys
 
 from . import checkpoint_cli, demo
-from .results import format_table, measured_line, reported_tests
+from .results import format_table, reported_tests, speedup_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +36,7 @@ def _table(args) -> int:
             return 2
     for split in args.split or reported_tests(runs[0]):
         print(f"{split}:\n{format_table(runs, split)}\n")
-    print(measured_line(runs))
+    print(speedup_report(runs))
     return 0
 
 

@@ -21,7 +21,7 @@ from .config import SparseSoupConfig
 from .data import load_digits_splits
 from .evaluation.metrics import ClassificationAccuracy
 from .loop.sms import SparseModelSoup
-from .results import format_table, measured_line, plot_results, save_results
+from .results import format_table, plot_results, save_results, speedup_report
 from .trainer import cross_entropy_loss
 
 
@@ -116,8 +116,8 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
     plot_results([results], os.path.join(output_dir, "results.png"), ylabel="accuracy (%)")
     print("\nTest accuracy (%) after each phase:\n" + format_table([results], "test"))
     # A tiny CNN on 8x8 images: layers this small are overhead-bound, so the sparse runtime may not win here;
-    # the measured line says what it gives (docs/benchmarks.md has models where it does).
-    print("\n" + measured_line([results]))
+    # the speedup report says what it gives (docs/benchmarks.md has models where it does).
+    print("\n" + speedup_report([results]))
     print(f"\n[hf-sms] wrote {output_dir}/results.json, results.png, final_soup/ in {results['seconds']:.0f} s")
     return results
 

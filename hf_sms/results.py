@@ -70,7 +70,7 @@ def format_table(runs: list[dict], split: str = "test") -> str:
         lines.append(f"| dense (unpruned) | {_cell(dense)} |" + " |" * (len(phases) - 1))
     for method in [m for m in ROW_ORDER if m in table] + sorted(set(table) - set(ROW_ORDER)):
         lines.append(f"| {ROW_NAMES.get(method, method)} | " + " | ".join(_cell(c) for c in table[method]) + " |")
-    return "\n".join(lines + _speedup_lines(runs, len(phases)))
+    return "\n".join(lines)
 
 
 def _final_rows(run: dict) -> tuple[str, list[dict]]:
@@ -79,14 +79,16 @@ def _final_rows(run: dict) -> tuple[str, list[dict]]:
     return name, run["rows"][name]
 
 
-def _speedup_lines(runs: list[dict], n_phases: int) -> list[str]:
-    """Two table rows for the final method's soups: the FLOP speedup, and what the sparse runtime measured."""
+def speedup_report(runs: list[dict]) -> str:
+    """The speedups of the final method's soups after each phase, in FLOPs and as the sparse runtime measured them
+    (mean over runs; "not measured" where no run timed them), then the final soup's measured record per run."""
+    phases = runs[0]["phases"]
     name, _ = _final_rows(runs[0])
-    flops: list[list[float]] = [[] for _ in range(n_phases)]
-    measured: list[list[float]] = [[] for _ in range(n_phases)]
+    flops: list[list[float]] = [[] for _ in phases]
+    measured: list[list[float]] = [[] for _ in phases]
     for run in runs:
-        rows = _final_rows(run)[1][-n_phases:]
-        for col, row in enumerate(rows, start=n_phases - len(rows)):  # GMP/DPF without SMS: one row, the last phase
+        rows = _final_rows(run)[1][-len(phases) :]
+        for col, row in enumerate(rows, start=len(phases) - len(rows)):  # GMP/DPF without SMS: the last phase only
             if isinstance(row.get("speedup"), (int, float)):
                 flops[col].append(row["speedup"])
             if (row.get("measured_speedup") or {}).get("speedup") is not None:
@@ -95,21 +97,19 @@ def _speedup_lines(runs: list[dict], n_phases: int) -> list[str]:
     def cell(values: list[float], missing: str) -> str:
         return f"{statistics.mean(values):.2f}x" if values else missing
 
-    label = ROW_NAMES.get(name, name)
-    return [
-        f"| {label}: speedup, FLOPs | " + " | ".join(cell(c, "-") for c in flops) + " |",
-        f"| {label}: speedup, measured | " + " | ".join(cell(c, "not measured") for c in measured) + " |",
+    lines = [
+        f"| {ROW_NAMES.get(name, name)}: speedup | " + " | ".join(f"phase {i + 1}" for i in range(len(phases))) + " |",
+        "|" + "---|" * (len(phases) + 1),
+        "| in FLOPs | " + " | ".join(cell(c, "-") for c in flops) + " |",
+        "| measured | " + " | ".join(cell(c, "not measured") for c in measured) + " |",
+        "",
     ]
-
-
-def measured_line(runs: list[dict]) -> str:
-    """What the final soups' FLOP count promised and what the sparse runtime measured, one line per run."""
-    lines = []
     for run in runs:
-        record = run.get("measured_speedup")
         final = _final_rows(run)[1][-1].get("speedup")
-        flops = f"{final:.2f}x" if isinstance(final, (int, float)) else "-"
-        lines.append(f"final soup speedup: {flops} in FLOPs, measured {format_measured(record)}")
+        flops_final = f"{final:.2f}x" if isinstance(final, (int, float)) else "-"
+        lines.append(
+            f"final soup speedup: {flops_final} in FLOPs, measured {format_measured(run.get('measured_speedup'))}"
+        )
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from .evaluation.subgroups import SubgroupRecall
 from .loop.distributed import launched_world_size
 from .loop.run_directory import lock_folder
 from .loop.sms import SparseModelSoup
-from .results import format_table, measured_line, reported_tests
+from .results import format_table, reported_tests, speedup_report
 from .smoke import SMOKE_ARGS
 from .trainer import SparseSoupTrainer
 
@@ -384,4 +384,4 @@ def finish(runner: SparseModelSoup) -> None:
     if runner.world.is_main:
         for name in reported_tests(runner.results):
             print(f"\n{name} after each phase:\n" + format_table([runner.results], name), flush=True)
-        print("\n" + measured_line([runner.results]), flush=True)
+        print("\n" + speedup_report([runner.results]), flush=True)
