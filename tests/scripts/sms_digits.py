@@ -59,7 +59,10 @@ tests = {  # named test sets reach every row in the parallel path too
     "groups": (grouped, SubgroupRecall()),
 }
 # registered before run_sms, so it runs after hf-sms's own exit handler: the group must be closed by then
-atexit.register(lambda: print("process group open at exit:", torch.distributed.is_initialized(), flush=True))
+# (one file per rank: the ranks share stdout, where their lines can interleave; RANK is read now, as hf-sms
+# hides the launcher's variables once its replica groups exist)
+exit_file = os.path.join(cli.output_dir, f"exit-rank{os.environ.get('RANK', 0)}.txt")
+atexit.register(lambda: open(exit_file, "w").write("open" if torch.distributed.is_initialized() else "closed"))
 soup, results = run_sms(model, args, train, accuracy, eval_dataset=val, test_dataset=tests)
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
     save_file(
