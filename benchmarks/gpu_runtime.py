@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hf_sms import apply_masks, compute_masks, to_sparse_runtime
 from hf_sms.runtime import time_pair
-from hf_sms.runtime.layers import to_csr
+from hf_sms.runtime.csr import to_csr
 
 
 def two_four(weight: torch.Tensor) -> torch.Tensor:

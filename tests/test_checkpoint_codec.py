@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import float_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_sms.checkpoint import codec
 from hf_sms.checkpoint.codec import (
     BITMASK,
     DENSE,
@@ -18,7 +21,12 @@ from hf_sms.checkpoint.codec import (
     encode_tensor,
     index_info,
     index_mask,
+    parse_index,
+    position_chunks,
+    restamp_index,
+    verified,
 )
+from hf_sms.checkpoint.masks import MaskDigest, _mask_digest
 
 
 @settings(max_examples=60, deadline=None)
@@ -80,3 +88,61 @@ def test_corrupted_index_or_values_raise_value_error():
         decode_tensor(bad_values, index)
     with pytest.raises(ValueError, match="header"):
         decode_tensor(values, torch.zeros(40, dtype=torch.uint8))
+
+
+@contextlib.contextmanager
+def _chunk_bits(bits: int):
+    old, codec.CHUNK_BITS = codec.CHUNK_BITS, bits
+    try:
+        yield
+    finally:
+        codec.CHUNK_BITS = old
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    density=st.sampled_from([0.0, 0.01, 0.1, 0.5, 1.0]) | st.floats(0.0, 1.0),
+    code=st.sampled_from([BITMASK, ELIAS_FANO]),
+    bits=st.sampled_from([8, 16, 64, 1 << 18]),
+    window=st.sampled_from([8, 24, 1 << 18]),
+    seed=st.integers(0, 2**16),
+)
+def test_positions_decode_chunk_by_chunk_to_the_mask_and_its_digest(shape, density, code, bits, window, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < density)
+    values, index = encode_tensor(t, code)
+    head, _, payload = verified(values, index, "t")
+    with _chunk_bits(bits):
+        chunks = list(position_chunks(head, payload, "t"))
+    assert all(0 < len(c) <= bits for c in chunks)  # many chunks when they are small, none empty
+    flat = t.reshape(-1)
+    positions = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+    assert np.array_equal(positions, torch.nonzero(flat).reshape(-1).numpy())
+    digest = MaskDigest(flat.numel(), window)
+    for chunk in chunks:
+        digest.add(chunk)
+    assert digest.digest() == _mask_digest((flat != 0).numpy())  # the digest sparsity.json records
+
+
+@pytest.mark.parametrize("code", [BITMASK, ELIAS_FANO])
+def test_a_flipped_position_bit_with_a_matching_checksum_never_yields_bad_positions(code):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(12, 20, generator=g) * (torch.rand(12, 20, generator=g) < 0.15)
+    values, index = encode_tensor(t, code)
+    start = len(index) - len(parse_index(index, "t")[1])
+    for byte in range(start, len(index)):
+        for bit in range(8):
+            forged = index.clone()
+            forged[byte] ^= 1 << bit
+            forged = restamp_index(forged, values)  # as if written so: the checksum agrees
+            head, _, payload = verified(values, forged, "t")
+            try:
+                with _chunk_bits(8):
+                    positions = np.concatenate(list(position_chunks(head, payload, "t")) or [np.zeros(0, np.int64)])
+            except ValueError as e:
+                assert "corrupted" in str(e)
+                continue
+            # decodable: then exactly nnz positions, increasing, inside the tensor (safe for CSR kernels)
+            assert len(positions) == values.numel() and (np.diff(positions) > 0).all()
+            assert len(positions) == 0 or 0 <= positions[0] and positions[-1] < t.numel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ import torch
 from .constants import FORMAT_VERSION
 
 DENSE, BITMASK, ELIAS_FANO = 0, 1, 2
+CHUNK_BITS = 1 << 18  # index bits decoded at a time (see position_chunks)
 CODECS = {DENSE: "dense", BITMASK: "bitmask", ELIAS_FANO: "elias-fano"}
 _MAGIC = b"HSMS"
 _HEAD = struct.Struct("<4sBBBBQQI")  # magic, version, codec, low bits k, ndim, nnz, unary bits, crc32
@@ -144,34 +146,59 @@ def parse_index(index: torch.Tensor, name: str) -> tuple[dict, np.ndarray]:
     return head, buf[end:]
 
 
-def _positions(head: dict, payload: np.ndarray, name: str) -> np.ndarray | None:
-    """Flat positions of the nonzeros (``None`` for DENSE: every position)."""
+def position_chunks(head: dict, payload: np.ndarray, name: str) -> Iterator[np.ndarray]:
+    """The flat positions (int64, increasing) of an index's stored values, a few hundred thousand at a time (none
+    for DENSE: every position is stored). A chunk's arrays stay in a core's cache, where whole-tensor passes
+    would go through memory several times. Raises ``ValueError`` on positions that do not add up, before
+    yielding any that are out of order or out of range."""
     bad = f"sparse index of {name!r} is corrupted (positions do not add up); re-save or re-download the checkpoint"
     if head["codec"] == DENSE:
-        return None
-    if head["codec"] == BITMASK:
+        return
+    numel, nnz, k, step = head["numel"], head["nnz"], head["k"], max(1, CHUNK_BITS // 8)
+    elias_fano = head["codec"] == ELIAS_FANO
+    end = _nbytes(head["ubits"]) if elias_fano else len(payload)  # where the bits scanned for ones end
+    done, last, plane = 0, -1, _nbytes(nnz)
+    low_type = np.uint8 if k <= 8 else np.int64
+    for at in range(0, end, step):
         # flatnonzero on a bool view is an order of magnitude faster than on uint8
-        pos = np.flatnonzero(np.unpackbits(payload, count=head["numel"], bitorder="little").view(bool))
-    else:
-        nnz, k, ub = head["nnz"], head["k"], _nbytes(head["ubits"])
-        pos = np.flatnonzero(np.unpackbits(payload[:ub], count=head["ubits"], bitorder="little").view(bool))
-        if len(pos) != nnz:
+        pos = np.flatnonzero(np.unpackbits(payload[at : min(at + step, end)], bitorder="little").view(bool))
+        n = len(pos)
+        if not n:
+            continue
+        if done + n > nnz:
             raise ValueError(bad)
-        pos -= np.arange(nnz, dtype=np.int64)  # the high parts, non-decreasing
-        pos <<= k
-        plane, low = _nbytes(nnz), np.zeros(nnz, dtype=np.uint8 if k <= 8 else np.int64)
-        for j in range(k):
-            bits = np.unpackbits(payload[ub + j * plane : ub + (j + 1) * plane], count=nnz, bitorder="little")
-            low |= bits.astype(low.dtype) << low.dtype.type(j)  # narrow ints: half the time of int64 planes
-        pos |= low
-    if len(pos) != head["nnz"] or (len(pos) and pos[-1] >= head["numel"]):
+        if not elias_fano:
+            pos += 8 * at
+        else:  # value done + i set unary bit (its high part) + done + i; its k low bits are in k bit-planes
+            pos += 8 * at - done
+            pos -= np.arange(n)
+            if k:
+                pos <<= k
+                low, skip = np.zeros(n, low_type), done % 8
+                for j in range(k):
+                    start = end + j * plane + done // 8
+                    bits = np.unpackbits(payload[start : start + (skip + n + 7) // 8], bitorder="little")
+                    low |= bits[skip : skip + n].astype(low_type, copy=False) << low_type(j)
+                pos |= low
+        if pos[0] <= last or pos[-1] >= numel or (n > 1 and not (pos[1:] > pos[:-1]).all()):
+            raise ValueError(bad)
+        done, last = done + n, pos[-1]
+        yield pos
+    if done != nnz:
         raise ValueError(bad)
-    return pos
 
 
-def _verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict, torch.Tensor, np.ndarray | None]:
-    """``(header, flat CPU values, positions or None for DENSE)`` once the values' count, dtype and checksum
-    match the index."""
+def _positions(head: dict, payload: np.ndarray, name: str) -> np.ndarray | None:
+    """Flat positions of the nonzeros (``None`` for DENSE: every position)."""
+    if head["codec"] == DENSE:
+        return None
+    chunks = list(position_chunks(head, payload, name))
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+
+
+def verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict, torch.Tensor, np.ndarray]:
+    """``(header, flat CPU values, positions payload)`` once the values' count, dtype and checksum match the
+    index; the positions are left encoded (see :func:`position_chunks`)."""
     head, payload = parse_index(index, name)
     values = values.detach().to("cpu").contiguous().reshape(-1)
     if values.numel() != head["nnz"] or not values.is_floating_point():
@@ -181,6 +208,12 @@ def _verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dic
         )
     if zlib.crc32(payload, zlib.crc32(_bytes_of(values))) != head["crc"]:
         raise ValueError(f"checksum mismatch in {name!r}: the checkpoint file is corrupted; re-save or re-download it")
+    return head, values, payload
+
+
+def _verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict, torch.Tensor, np.ndarray | None]:
+    """``(header, flat CPU values, positions or None for DENSE)``, checksum verified."""
+    head, values, payload = verified(values, index, name)
     return head, values, _positions(head, payload, name)
 
 

@@ -4,6 +4,7 @@ trainer checkpoint."""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterable
 
@@ -62,11 +63,16 @@ class MaskStats:
             shape: its shape, if ``mask`` is flat.
         """
         flat = (mask.numpy() if isinstance(mask, torch.Tensor) else mask).reshape(-1)
-        numel, nnz = flat.size, int(np.count_nonzero(flat))
-        digest = _mask_digest(flat)
+        shape = shape if shape is not None else mask.shape
+        self.add_digest(name, shape, int(np.count_nonzero(flat)), _mask_digest(flat), codec)
+
+    def add_digest(self, name: str, shape: Iterable[int], nnz: int, digest: bytes, codec: str) -> None:
+        """Record one tensor whose mask digest (:class:`MaskDigest`) and count of nonzeros are known."""
+        shape = [int(d) for d in shape]
+        numel = math.prod(shape)
         self._digests[name] = digest
         self.per_tensor[name] = {
-            "shape": list(shape if shape is not None else mask.shape),
+            "shape": shape,
             "numel": numel,
             "nnz": nnz,
             "sparsity": _sparsity(nnz, numel),
@@ -95,11 +101,35 @@ class MaskStats:
         }
 
 
-def positions_mask(positions: torch.Tensor, numel: int) -> np.ndarray:
-    """The flat bool mask of the given nonzero positions."""
-    mask = np.zeros(numel, dtype=bool)
-    mask[positions.numpy()] = True
-    return mask
+class MaskDigest:
+    """The digest :class:`MaskStats` takes of a mask, from its nonzero positions given in increasing chunks
+    (:func:`hf_sms.checkpoint.codec.position_chunks`): the bitmap is built and hashed a window at a time, in
+    cache, never as a whole bool mask (8x the bitmap)."""
+
+    def __init__(self, numel: int, window: int = 1 << 18):  # a multiple of 8: windows pack to whole bytes
+        self._hash, self._numel, self._window, self._start = hashlib.sha256(), numel, window, 0
+        self._bits = np.zeros(min(window, numel), dtype=bool)
+
+    def _flush(self) -> None:
+        n = min(self._window, self._numel - self._start)
+        self._hash.update(np.packbits(self._bits[:n], bitorder="little"))
+        self._bits[:n] = False
+        self._start += self._window
+
+    def add(self, positions: np.ndarray) -> None:
+        """Mark ``positions`` (increasing, above those added before)."""
+        while len(positions):
+            while positions[0] >= self._start + self._window:
+                self._flush()
+            end = self._start + self._window
+            cut = len(positions) if positions[-1] < end else int(np.searchsorted(positions, end))
+            self._bits[positions[:cut] - self._start] = True
+            positions = positions[cut:]
+
+    def digest(self) -> bytes:
+        while self._start < self._numel:
+            self._flush()
+        return self._hash.digest()
 
 
 # -- the masks of a SparseSoupTrainer checkpoint ---------------------------------------------------------------

@@ -21,8 +21,10 @@ from torch import nn
 from ..pruning.prunable import is_conv1d
 from ..runtime import RuntimeReport
 from ..runtime.convert import MARGIN, REPEATS, Swap, _candidates, _set, check_request, finish, plan
-from ..runtime.layers import SparseConv2d, SparseEmbedding, SparseLinear, csr_from_positions
-from .masks import MaskStats, eligible, positions_mask
+from ..runtime.csr import CSRBuilder, csr_from_positions
+from ..runtime.layers import SparseConv2d, SparseEmbedding, SparseLinear
+from .codec import DENSE, position_chunks, verified
+from .masks import MaskDigest, MaskStats, eligible
 from .reader import SparseCheckpoint, check_masks
 from .safetensors_io import workers
 
@@ -76,9 +78,12 @@ def load_runtime(
             "to the GPU in fp16/bf16, then call hf_sms.to_sparse_runtime(model, 'semi_structured')"
         )
     stats = MaskStats() if verify else None  # mask digests taken while reading: each index is decoded once
-    # decoding starts at once, on the pool, while the model is imported and built (the longest part)
     reads = _Prefetch(ckpt, stats, min_sparsity if layout != "dense" else 2.0)
     try:
+        # Decoded before the model is built, not beside it: while Python code runs in this thread, a pool thread
+        # gets the GIL back only a switch interval (5 ms) after each numpy call, and decoding stalls (measured:
+        # T5-small's indices took 15 s beside a busy Python loop instead of 0.08 s alone).
+        reads.wait()
         if model is None:
             with init_empty_weights(include_buffers=False):
                 model = ckpt.family.instantiate(ckpt, **kwargs)
@@ -142,7 +147,7 @@ def load_runtime(
 
 class _Prefetch:
     """Reads, mask digests and CSR builds of a checkpoint's sparse tensors on a thread pool (numpy, zlib, file
-    reads and torch's ops release the GIL, so they overlap with building the model and use every core).
+    reads and torch's ops release the GIL for their long loops).
 
     Every encoded tensor is submitted at once, in file order; what a job keeps is what the runtime keeps anyway
     (the CSR matrix, as stored: rows = the first dimension), or nothing for a tensor below ``min_sparsity``,
@@ -162,18 +167,39 @@ class _Prefetch:
                 self.pending[key] = self.pool.submit(self._prepare, key)
 
     def _prepare(self, key: str):
-        """``(nnz, shape, values, CSR or None)`` of ``key``."""
-        positions, values, shape = self.ckpt.read_sparse(key)
-        numel = math.prod(shape)
-        if self.stats is not None:  # each key once, from one thread: the digest is of the stored positions
-            self.stats.add(key, positions_mask(positions, numel), "", shape)
-        nnz, csr = positions.numel(), None
+        """``(nnz, shape, values, CSR or None)`` of ``key``; the index is decoded a chunk at a time, each chunk
+        going to the mask digest and the CSR matrix while it is in cache."""
+        encoded = self.ckpt.read_encoded(key)
+        if encoded is None:  # stored dense: its nonzeros
+            positions, values, shape = self.ckpt.read_sparse(key)
+            chunks = [positions.numpy()]
+        else:
+            head, values, payload = verified(*encoded, key)
+            shape, chunks = head["shape"], position_chunks(head, payload, key)
+            if head["codec"] == DENSE:  # every value stored, zeros included
+                positions = torch.nonzero(values).reshape(-1)
+                values, chunks = values[positions], [positions.numpy()]
+        numel, nnz = math.prod(shape), values.numel()
+        digest = MaskDigest(numel) if self.stats is not None else None
+        builder = None
         if len(shape) >= 2 and 1.0 - nnz / max(numel, 1) >= self.min_sparsity:
-            csr = csr_from_positions(positions, values, (shape[0], numel // shape[0]))
-        return nnz, shape, values[:0], csr  # values[:0]: the dtype, for the plan
+            builder = CSRBuilder((shape[0], numel // shape[0]), nnz)
+        if digest is not None or builder is not None:
+            for chunk in chunks:
+                if digest is not None:
+                    digest.add(chunk)
+                if builder is not None:
+                    builder.add(chunk)
+        if digest is not None:  # each key once, from one thread
+            self.stats.add_digest(key, shape, nnz, digest.digest(), "")
+        return nnz, shape, values[:0], builder.tensor(values) if builder is not None else None  # [:0]: the dtype
 
     def get(self, key: str):
         return self.pending[key].result()
+
+    def wait(self) -> None:
+        for future in list(self.pending.values()):
+            future.result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

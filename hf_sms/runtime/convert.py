@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..pruning.prunable import is_conv1d
+from .csr import to_csr
 from .layers import (
     SemiStructuredLinear,
     SparseConv2d,
@@ -31,7 +32,6 @@ from .layers import (
     has_csr_kernel,
     has_sparse_product,
     is_two_four,
-    to_csr,
 )
 
 logger = logging.getLogger("hf_sms")

@@ -8,14 +8,12 @@ inference only: ``.train()`` and any forward that would need a gradient raise.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
+
+from .csr import to_csr
 
 _TRAIN_ERROR = (
     "a sparse runtime model is for inference only: train the masked dense model (SparseSoupTrainer), then "
@@ -42,44 +40,6 @@ def check_csr_dtype(dtype: torch.dtype, device: torch.device) -> None:
             f"the csr layout has no {device.type} kernel for {dtype} (it takes {names}): convert the model with "
             "model.float() first, or keep it dense (layout='dense')"
         )
-
-
-@contextlib.contextmanager
-def _quiet_beta():
-    # torch marks CSR tensors "beta" on construction; the runtime uses only the long-stable CSR x dense product.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
-        yield
-
-
-def to_csr(weight: torch.Tensor) -> torch.Tensor:
-    """A 2-D weight as a CSR tensor with 32-bit indices where they fit (half the index memory of int64)."""
-    with _quiet_beta():
-        csr = weight.detach().to_sparse_csr()
-    index = torch.int32 if weight.numel() < 2**31 else torch.int64
-    with _quiet_beta():
-        return torch.sparse_csr_tensor(
-            csr.crow_indices().to(index),
-            csr.col_indices().to(index),
-            csr.values(),
-            size=csr.shape,
-            check_invariants=False,  # built by torch from a dense tensor: valid by construction
-        )
-
-
-def csr_from_positions(positions: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """A CSR matrix from the flat row-major positions of its nonzeros (increasing) and their values, never
-    materialising the dense matrix. The indices come from a file: torch checks them (a bad index would be a
-    memory error in the kernel, not an exception)."""
-    rows, cols = shape
-    index = torch.int32 if rows * cols < 2**31 else torch.int64
-    # sorted: row r's entries are those in [r * cols, (r + 1) * cols); numpy's searchsorted and torch's ops let
-    # other threads run (np.repeat would hold the GIL), and no integer division
-    crow = torch.from_numpy(np.searchsorted(positions.numpy(), np.arange(rows + 1, dtype=np.int64) * cols))
-    col = positions - torch.repeat_interleave(torch.arange(rows, dtype=torch.int64) * cols, crow.diff())
-    crow, col = crow.to(index), col.to(index)
-    with _quiet_beta():
-        return torch.sparse_csr_tensor(crow, col, values, size=shape, check_invariants=True)
 
 
 def sparse_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
