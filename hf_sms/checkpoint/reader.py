@@ -79,15 +79,16 @@ class SparseCheckpoint:
             shape = tuple(index_info(self.read_raw(name + INDEX_SUFFIX), name)["shape"])
         return shape, dtype
 
-    def read_raw(self, key: str) -> torch.Tensor:
-        """A stored tensor as it is in the file (for an encoded tensor: its values, or ``name.sp_index``)."""
-        return self._where[key].read(key)
+    def read_raw(self, key: str, mapped: bool = False) -> torch.Tensor:
+        """A stored tensor as it is in the file (for an encoded tensor: its values, or ``name.sp_index``);
+        ``mapped``: see :meth:`SafetensorsFile.read`."""
+        return self._where[key].read(key, mapped)
 
-    def read_encoded(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def read_encoded(self, name: str, mapped: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(values, index)`` of an encoded tensor, else ``None``."""
         if not self.is_encoded(name):
             return None
-        return self.read_raw(name), self.read_raw(name + INDEX_SUFFIX)
+        return self.read_raw(name, mapped), self.read_raw(name + INDEX_SUFFIX, mapped)
 
     def read(self, name: str) -> torch.Tensor:
         """The dense tensor."""

@@ -169,7 +169,7 @@ class _Prefetch:
     def _prepare(self, key: str):
         """``(nnz, shape, values, CSR or None)`` of ``key``; the index is decoded a chunk at a time, each chunk
         going to the mask digest and the CSR matrix while it is in cache."""
-        encoded = self.ckpt.read_encoded(key)
+        encoded = self.ckpt.read_encoded(key, mapped=True)  # the runtime keeps the values: as mapped, no copy
         if encoded is None:  # stored dense: its nonzeros
             positions, values, shape = self.ckpt.read_sparse(key)
             chunks = [positions.numpy()]

@@ -1,14 +1,16 @@
-"""Reading safetensors files tensor by tensor (no pickle, no mmap) and writing hf-sms weight files.
+"""Reading safetensors files tensor by tensor (no pickle) and writing hf-sms weight files.
 
 The reader opens the file per read instead of mapping it, so streaming over many files does not keep
-them all resident; every header entry is validated up front, so truncated or malformed files raise a
-``ValueError`` before any tensor is used.
+them all resident; a loader whose tensors stay in the model anyway can map them instead (``mapped=True``:
+no copy). Every header entry is validated up front, so truncated or malformed files raise a ``ValueError``
+before any tensor is used.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 
@@ -60,6 +62,7 @@ class SafetensorsFile:
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"{path} has a corrupted safetensors header ({e}); {_FIX}") from None
         self.data_start = 8 + n
+        self._map: mmap.mmap | None = None
         self.metadata = header.pop("__metadata__", None) or {}
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for key, e in header.items():
@@ -93,10 +96,20 @@ class SafetensorsFile:
         raw = self._read_bytes(key, begin + start * dtype.itemsize, (stop - start) * dtype.itemsize)
         return torch.from_numpy(raw).view(dtype)
 
-    def read(self, key: str) -> torch.Tensor:
-        """The tensor ``key``, in its dtype and shape."""
+    def read(self, key: str, mapped: bool = False) -> torch.Tensor:
+        """The tensor ``key``, in its dtype and shape; with ``mapped``, a view of a copy-on-write mapping of the
+        file (no read, no copy: pages come from the page cache when first used; writing to it leaves the file
+        as it is)."""
         dtype, shape, begin, end = self.entries[key]
-        return torch.from_numpy(self._read_bytes(key, begin, end - begin)).view(dtype).reshape(shape)
+        at = self.data_start + begin
+        if mapped and at % dtype.itemsize == 0:  # safetensors does not promise aligned offsets
+            if self._map is None:  # two threads may both map it: harmless
+                with open(self.path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            raw = np.frombuffer(self._map, np.uint8, end - begin, at)
+        else:
+            raw = self._read_bytes(key, begin, end - begin)
+        return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
 class WeightsWriter:

@@ -67,7 +67,10 @@ class CSRBuilder:
         before = np.searchsorted(positions, starts)  # the chunk's entries before each row's start
         self._crow.numpy()[self._next_row : last + 1] = before[self._next_row - first :] + self._done
         col = self._col.numpy()[self._done : self._done + n]
-        np.subtract(positions, np.repeat(starts, np.diff(before, append=n)), out=col, casting="unsafe")
+        if cols & (cols - 1) == 0:  # a power-of-two width (most hidden sizes): the column is the low bits
+            np.bitwise_and(positions, cols - 1, out=col, casting="unsafe")
+        else:
+            np.subtract(positions, np.repeat(starts, np.diff(before, append=n)), out=col, casting="unsafe")
         self._done, self._next_row, self._last = self._done + n, last + 1, int(positions[-1])
 
     def tensor(self, values: torch.Tensor) -> torch.Tensor:
