@@ -106,3 +106,22 @@ def test_a_new_family_is_one_registered_entry(tmp_path):
         assert "hf_sms.load_sparse" in family.load_snippet("TinyCNN", "bitmask", "me/tiny")
     finally:
         FAMILIES.remove("tiny_cnn")
+
+
+def test_a_mapped_read_is_the_stored_tensor_and_never_writes_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from hf_sms.checkpoint.safetensors_io import SafetensorsFile
+
+    path = str(tmp_path / "w.safetensors")
+    tensors = {"a": torch.arange(3, dtype=torch.uint8), "b": torch.randn(4, 5), "c": torch.zeros(0)}
+    save_file(tensors, path)
+    before = open(path, "rb").read()
+    f = SafetensorsFile(path)
+    for key, t in tensors.items():
+        assert torch.equal(f.read(key, mapped=True), t) and torch.equal(f.read(key), t)
+    mapped = f.read("b", mapped=True)
+    mapped += 1  # copy-on-write: the loaded model may change its tensors, the file stays as saved
+    assert open(path, "rb").read() == before and torch.equal(SafetensorsFile(path).read("b"), tensors["b"])
+    f.data_start += 1  # an offset no float32 can be read from in place: read (copied, aligned), not mapped
+    assert f.read("b", mapped=True).data_ptr() % 4 == 0
