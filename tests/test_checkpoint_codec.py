@@ -115,6 +115,7 @@ def test_positions_decode_chunk_by_chunk_to_the_mask_and_its_digest(shape, densi
     head, _, payload = verified(values, index, "t")
     with _chunk_bits(bits):
         chunks = list(position_chunks(head, payload, "t"))
+        assert torch.equal(decode_tensor(values, index), t) and torch.equal(index_mask(index), t != 0)
     assert all(0 < len(c) <= bits for c in chunks)  # many chunks when they are small, none empty
     flat = t.reshape(-1)
     positions = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)

@@ -188,14 +188,6 @@ def position_chunks(head: dict, payload: np.ndarray, name: str) -> Iterator[np.n
         raise ValueError(bad)
 
 
-def _positions(head: dict, payload: np.ndarray, name: str) -> np.ndarray | None:
-    """Flat positions of the nonzeros (``None`` for DENSE: every position)."""
-    if head["codec"] == DENSE:
-        return None
-    chunks = list(position_chunks(head, payload, name))
-    return np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
-
-
 def verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict, torch.Tensor, np.ndarray]:
     """``(header, flat CPU values, positions payload)`` once the values' count, dtype and checksum match the
     index; the positions are left encoded (see :func:`position_chunks`)."""
@@ -211,12 +203,6 @@ def verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict
     return head, values, payload
 
 
-def _verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict, torch.Tensor, np.ndarray | None]:
-    """``(header, flat CPU values, positions or None for DENSE)``, checksum verified."""
-    head, values, payload = verified(values, index, name)
-    return head, values, _positions(head, payload, name)
-
-
 def decode_tensor(values: torch.Tensor, index: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     """Inverse of :func:`encode_tensor`.
 
@@ -229,15 +215,17 @@ def decode_tensor(values: torch.Tensor, index: torch.Tensor, name: str = "tensor
         The dense tensor, on ``values``' device. Raises ``ValueError`` on a checksum or size mismatch.
     """
     device = values.device
-    head, values, pos = _verified(values, index, name)
-    if pos is None:
+    head, values, payload = verified(values, index, name)
+    if head["codec"] == DENSE:
         out = values.clone()
     else:
         # numpy's zeros is lazily zeroed memory (calloc): much faster than torch.zeros + index_put for
-        # large tensors.
+        # large tensors. Values are placed chunk by chunk, as the positions decode.
         view = _INT_VIEW[values.element_size()]
-        flat = np.zeros(head["numel"], dtype=view[1])
-        flat[pos] = values.view(view[0]).numpy()
+        flat, stored, done = np.zeros(head["numel"], dtype=view[1]), values.view(view[0]).numpy(), 0
+        for chunk in position_chunks(head, payload, name):
+            flat[chunk] = stored[done : done + len(chunk)]
+            done += len(chunk)
         out = torch.from_numpy(flat).view(values.dtype)
     return out.reshape(head["shape"]).to(device)
 
@@ -246,21 +234,22 @@ def decode_positions(values: torch.Tensor, index: torch.Tensor, name: str = "ten
     """The flat row-major positions (int64, increasing) of an encoded tensor's stored values, checksum
     verified, without materialising the dense tensor. Returns ``(positions, header)``; for the DENSE codec
     (every value stored) the positions of its nonzeros."""
-    head, values, pos = _verified(values, index, name)
-    if pos is None:
+    head, values, payload = verified(values, index, name)
+    if head["codec"] == DENSE:
         return torch.nonzero(values).reshape(-1), head
-    return torch.from_numpy(pos.astype(np.int64, copy=False)), head
+    chunks = list(position_chunks(head, payload, name))
+    return torch.from_numpy(np.concatenate(chunks) if chunks else np.zeros(0, np.int64)), head
 
 
 def index_mask(index: torch.Tensor, name: str = "tensor") -> torch.Tensor | None:
     """The bool mask (True = stored) an index describes, without the values; ``None`` for DENSE."""
     head, payload = parse_index(index, name)
-    pos = _positions(head, payload, name)
-    if pos is None:
+    if head["codec"] == DENSE:
         return None
-    mask = torch.zeros(head["numel"], dtype=torch.bool, device="cpu")
-    mask[torch.from_numpy(pos)] = True
-    return mask.reshape(head["shape"])
+    mask = np.zeros(head["numel"], dtype=bool)
+    for chunk in position_chunks(head, payload, name):
+        mask[chunk] = True
+    return torch.from_numpy(mask).reshape(head["shape"])
 
 
 def stored_mask(values: torch.Tensor, index: torch.Tensor, name: str = "tensor") -> torch.Tensor:
