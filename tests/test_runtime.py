@@ -200,6 +200,17 @@ def test_load_sparse_builds_the_runtime_from_stored_positions(tmp_path, case, mo
     assert timed and all(c.sparse_ms is not None for c in timed)  # decided by measurement, layer by layer
 
 
+def test_a_dense_format_folder_loads_into_the_runtime_too(tmp_path):
+    from hf_sms import load_sparse, save_sparse
+
+    dense = _pruned(make_t5())
+    save_sparse(dense, str(tmp_path / "ckpt"), "dense")  # no index: the nonzeros are found in the values
+    runtime = load_sparse(str(tmp_path / "ckpt"), runtime="csr")
+    assert any(isinstance(m, SparseLinear) for m in runtime.modules())
+    with torch.no_grad():
+        assert _close(_run(runtime, CASES["t5"][1]), _run(dense, CASES["t5"][1]))
+
+
 def test_load_sparse_into_the_runtime_refuses_what_it_cannot(tmp_path):
     from hf_sms import load_sparse, save_sparse
 

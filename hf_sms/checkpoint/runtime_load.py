@@ -170,26 +170,21 @@ class _Prefetch:
         """``(nnz, shape, values, CSR or None)`` of ``key``; the index is decoded a chunk at a time, each chunk
         going to the mask digest and the CSR matrix while it is in cache."""
         encoded = self.ckpt.read_encoded(key, mapped=True)  # the runtime keeps the values: as mapped, no copy
-        if encoded is None:  # stored dense: its nonzeros
+        head, values, payload = verified(*encoded, key) if encoded is not None else (None, None, None)
+        if head is None or head["codec"] == DENSE:  # every value stored, zeros included: its nonzeros
             positions, values, shape = self.ckpt.read_sparse(key)
             chunks = [positions.numpy()]
         else:
-            head, values, payload = verified(*encoded, key)
             shape, chunks = head["shape"], position_chunks(head, payload, key)
-            if head["codec"] == DENSE:  # every value stored, zeros included
-                positions = torch.nonzero(values).reshape(-1)
-                values, chunks = values[positions], [positions.numpy()]
         numel, nnz = math.prod(shape), values.numel()
         digest = MaskDigest(numel) if self.stats is not None else None
         builder = None
         if len(shape) >= 2 and 1.0 - nnz / max(numel, 1) >= self.min_sparsity:
             builder = CSRBuilder((shape[0], numel // shape[0]), nnz)
-        if digest is not None or builder is not None:
-            for chunk in chunks:
-                if digest is not None:
-                    digest.add(chunk)
-                if builder is not None:
-                    builder.add(chunk)
+        consumers = [c for c in (digest, builder) if c is not None]
+        for chunk in chunks if consumers else ():
+            for consumer in consumers:
+                consumer.add(chunk)
         if digest is not None:  # each key once, from one thread
             self.stats.add_digest(key, shape, nnz, digest.digest(), "")
         return nnz, shape, values[:0], builder.tensor(values) if builder is not None else None  # [:0]: the dtype
