@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from types import SimpleNamespace
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
@@ -197,3 +201,24 @@ def sms_config(tmp_path, **overrides):
         seed=0,
     )
     return SparseSoupConfig(**{**base, **overrides})
+
+
+@contextmanager
+def fake_hub(repo_id: str = "me/r"):
+    """``HfApi.create_repo`` and ``create_commit`` mocked: yields ``{"files": {path in repo: bytes}, "create",
+    "commit"}`` of what push_to_hub would send (the bytes read as huggingface_hub reads them)."""
+    sent: dict = {"files": {}}
+
+    def commit(self, **kwargs):
+        for op in kwargs["operations"]:
+            source = op.path_or_fileobj
+            if isinstance(source, str):
+                with open(source, "rb") as f:
+                    source = f.read()
+            sent["files"][op.path_in_repo] = source
+        sent["commit_kwargs"] = kwargs
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/abc", pr_url=None)
+
+    create = mock.patch("huggingface_hub.HfApi.create_repo", return_value=SimpleNamespace(repo_id=repo_id))
+    with create as sent["create"], mock.patch("huggingface_hub.HfApi.create_commit", commit):
+        yield sent

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-from types import SimpleNamespace
+import os
+from tempfile import mkdtemp as tempfile_mkdtemp
 from unittest import mock
 
 import pytest
 import yaml
-from conftest import make_resnet, make_t5
+from conftest import fake_hub, make_resnet, make_t5
 
 from hf_sms import apply_masks, compute_masks, push_to_hub, save_sparse
 from hf_sms.hub import SPEEDUP, card_metrics, model_card
@@ -189,59 +190,41 @@ def test_model_card_requires_a_sparse_checkpoint(tmp_path):
         model_card(str(tmp_path))
 
 
-def _mock_api():
-    create = mock.patch("huggingface_hub.HfApi.create_repo", return_value=SimpleNamespace(repo_id="me/t5-sms"))
-    upload = mock.patch(
-        "huggingface_hub.HfApi.upload_folder",
-        return_value=SimpleNamespace(commit_url="https://huggingface.co/me/t5-sms/commit/abc"),
-    )
-    return create, upload
-
-
 def test_push_folder_uploads_with_card_and_never_logs_the_token(soup_dir, caplog, capsys):
     caplog.set_level(logging.DEBUG)
-    create, upload = _mock_api()
-    with create as create_repo, upload as upload_folder:
+    before = sorted(os.listdir(soup_dir))
+    with fake_hub("me/t5-sms") as sent:
         url = push_to_hub(soup_dir, "me/t5-sms", token=TOKEN, private=True, base_model="google-t5/t5-small")
     assert url == "https://huggingface.co/me/t5-sms/commit/abc"
+    create_repo = sent["create"]
     create_repo.assert_called_once()
     assert create_repo.call_args.args[0] == "me/t5-sms" and create_repo.call_args.kwargs["private"] is True
-    kwargs = upload_folder.call_args.kwargs
-    assert kwargs["repo_id"] == "me/t5-sms" and kwargs["folder_path"] == soup_dir
-    with open(f"{soup_dir}/README.md") as f:
-        meta, _ = _front_matter(f.read())
+    assert sent["commit_kwargs"]["repo_id"] == "me/t5-sms"
+    meta, _ = _front_matter(sent["files"]["README.md"].decode())
     assert meta["base_model"] == "google-t5/t5-small"
+    assert sorted(os.listdir(soup_dir)) == before  # nothing written into the folder
     out = capsys.readouterr()
     assert TOKEN not in caplog.text and TOKEN not in out.out and TOKEN not in out.err
-    assert TOKEN not in repr(upload_folder.call_args) and TOKEN not in repr(create_repo.call_args)
+    assert TOKEN not in repr(sent["commit_kwargs"]) and TOKEN not in repr(create_repo.call_args)
 
 
 def test_push_model_saves_to_a_temporary_folder(caplog, capsys):
     caplog.set_level(logging.DEBUG)
     model = make_resnet()
     apply_masks(model, compute_masks(model, 0.8))
-    seen = {}
+    made = []
 
-    def fake_upload(self, **kwargs):
-        import os
+    def mkdtemp(*args, **kwargs):
+        made.append(tempfile_mkdtemp(*args, **kwargs))
+        return made[-1]
 
-        seen["files"] = sorted(os.listdir(kwargs["folder_path"]))
-        with open(os.path.join(kwargs["folder_path"], "README.md")) as f:
-            seen["card"] = f.read()
-        with open(os.path.join(kwargs["folder_path"], "sparsity.json")) as f:
-            seen["metrics"] = json.load(f)["metrics"]
-        seen["folder"] = kwargs["folder_path"]
-        return SimpleNamespace(commit_url="https://huggingface.co/me/r/commit/1")
-
-    create, _ = _mock_api()
-    with create, mock.patch("huggingface_hub.HfApi.upload_folder", fake_upload):
+    with mock.patch("tempfile.mkdtemp", mkdtemp), fake_hub() as sent:
         push_to_hub(model, "me/r", token=TOKEN, recipe=RECIPE, metrics={"accuracy": 0.5})
-    assert {"README.md", "config.json", "model.safetensors", "sparsity.json"} <= set(seen["files"])
-    assert seen["metrics"]["results"] == [{"model": "soup", "split": None, "metric": "accuracy", "value": 0.5}]
-    assert "| - | accuracy | 0.5 |" in seen["card"]
-    import os
-
-    assert not os.path.exists(seen["folder"])  # the temporary folder is cleaned up
+    assert {"README.md", "config.json", "model.safetensors", "sparsity.json"} <= set(sent["files"])
+    metrics = json.loads(sent["files"]["sparsity.json"])["metrics"]
+    assert metrics["results"] == [{"model": "soup", "split": None, "metric": "accuracy", "value": 0.5}]
+    assert "| - | accuracy | 0.5 |" in sent["files"]["README.md"].decode()
+    assert made and not any(os.path.exists(d) for d in made)  # the temporary folders are cleaned up
     out = capsys.readouterr()
     assert TOKEN not in caplog.text + out.out + out.err
 

@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import sms_config
+from conftest import fake_hub, sms_config
 
 from hf_sms import SparseModelSoup, SparseSoupConfig, SparseSoupTrainer, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
@@ -138,12 +138,12 @@ def test_push_to_hub_is_checked_before_training_and_then_really_pushes(tmp_path,
     args = _args(tmp_path, push_to_hub=True, hub_model_id="me/soup", hub_token="hf_secret")
     with (
         mock.patch("huggingface_hub.HfApi.whoami", return_value={"name": "me"}),
-        mock.patch("huggingface_hub.HfApi.create_repo", return_value=mock.Mock(repo_id="me/soup")) as create,
-        mock.patch("huggingface_hub.HfApi.upload_folder", return_value=mock.Mock(commit_url="u")) as upload,
+        fake_hub("me/soup") as sent,
     ):
         run_sms(_net(), args, train, accuracy, eval_dataset=val, model_card={"datasets": ["digits"]})
-    assert create.call_args.args[0] == "me/soup"
-    assert upload.call_args.kwargs["folder_path"].endswith("final_soup")
+    assert sent["create"].call_args.args[0] == "me/soup"
+    assert {"README.md", "model.safetensors", "sparsity.json"} <= set(sent["files"])
+    assert b"datasets:\n- digits" in sent["files"]["README.md"]
 
 
 # -- merge methods are policies the loop dispatches ------------------------------------------------------

@@ -8,13 +8,11 @@ import json
 import os
 import pickle
 import shutil
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
-from conftest import make_cnn, make_image_dataset, make_t5, sms_config, training_args
-from huggingface_hub.utils import filter_repo_objects
+from conftest import fake_hub, make_cnn, make_image_dataset, make_t5, sms_config, training_args
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, apply_masks, compute_masks, load_sparse, run_sms, save_sparse
 from hf_sms.checkpoint import merge_checkpoints
@@ -96,18 +94,10 @@ def test_merge_copies_only_published_files(tmp_path):
 
 def test_push_uploads_an_allow_list(tmp_path):
     folder = _checkpoint_with_trainer_files(tmp_path / "soup")
-    seen = {}
-
-    def upload(self, **kwargs):
-        names = sorted(os.listdir(kwargs["folder_path"]))
-        patterns = {k: kwargs[k] for k in ("allow_patterns", "ignore_patterns")}
-        seen["uploaded"] = sorted(filter_repo_objects(names, **patterns))  # what huggingface_hub would send
-        return SimpleNamespace(commit_url="u")
-
-    create = mock.patch("huggingface_hub.HfApi.create_repo", return_value=SimpleNamespace(repo_id="me/r"))
-    with create, mock.patch("huggingface_hub.HfApi.upload_folder", upload):
+    with fake_hub() as sent:
         push_to_hub(folder, "me/r", token=TOKEN)
-    assert seen["uploaded"] == ["README.md", "model.safetensors", "sparsity.json", "tokenizer_config.json"]
+    assert sorted(sent["files"]) == ["README.md", "model.safetensors", "sparsity.json", "tokenizer_config.json"]
+    assert not any(TOKEN.encode() in data for data in sent["files"].values())
 
 
 # -- 2. files outside the folder --------------------------------------------------------------------------------
@@ -167,6 +157,84 @@ def test_a_hub_cache_snapshot_with_links_into_its_blobs_loads(tmp_path):
         os.symlink(os.path.join("..", "..", "blobs", f"blob-{name}"), snapshot / name)
     loaded = load_sparse(str(snapshot), make_cnn(seed=1))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_link_to_blobs_outside_a_real_hub_cache_is_refused(tmp_path):
+    """A folder laid out like a cache snapshot whose ``blobs`` is itself a link (to a private folder) gets no
+    exception: its files are outside it."""
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "token").write_text(TOKEN)
+    a, b = (_checkpoint_with_trainer_files(tmp_path / n) for n in ("r0", "r1"))
+    repo = tmp_path / "models--me--r"
+    snapshot = repo / "snapshots" / "abc123"
+    shutil.copytree(a, snapshot)
+    os.symlink(private, repo / "blobs")
+    os.remove(snapshot / "tokenizer_config.json")
+    os.symlink(os.path.join("..", "..", "blobs", "token"), snapshot / "tokenizer_config.json")
+    assert (snapshot / "tokenizer_config.json").read_text() == TOKEN  # the link does lead to the secret
+    with fake_hub() as sent, pytest.raises(ValueError, match="outside its checkpoint folder"):
+        push_to_hub(str(snapshot), "me/r", token=TOKEN)
+    assert sent["files"] == {} and not sent["create"].called
+    with pytest.raises(ValueError, match="outside its checkpoint folder"):
+        merge_checkpoints([str(snapshot), b], str(tmp_path / "soup"))
+    assert not (tmp_path / "soup").exists()
+    # a link from a real blobs folder to a file elsewhere is refused too: the target must be inside blobs
+    os.remove(repo / "blobs")
+    (repo / "blobs").mkdir()
+    os.symlink(private / "token", repo / "blobs" / "token")
+    with pytest.raises(ValueError, match="outside its checkpoint folder"):
+        merge_checkpoints([str(snapshot), b], str(tmp_path / "soup"))
+
+
+def test_push_writes_nothing_through_a_link_planted_in_the_folder(tmp_path):
+    victim = tmp_path / "victim.pth"
+    victim.write_text("untouched\n")
+    folder = _checkpoint_with_trainer_files(tmp_path / "soup")
+    for name in ("README.md.tmp", ".README.md.tmp", "README.md~"):
+        os.symlink(victim, os.path.join(folder, name))
+    info = json.loads((tmp_path / "soup" / "sparsity.json").read_text())
+    info["recipe"] = {"note\nimport os": "x\nimport os; os.system('echo pwned')\n# [link](https://evil) <script>"}
+    info["mask_hash"] = "`\n```\nimport os"
+    (tmp_path / "soup" / "sparsity.json").write_text(json.dumps(info))
+    with fake_hub() as sent:
+        push_to_hub(folder, "me/r", token=TOKEN)
+    assert victim.read_text() == "untouched\n"
+    assert not os.path.exists(os.path.join(folder, "README.md"))  # the folder itself is not written to
+    card = sent["files"]["README.md"].decode()
+    assert not any(line.startswith(("import os", "```\nimport")) for line in card.splitlines())
+    assert "<script>" not in card and "[link](" not in card and card.count("```") % 2 == 0
+    # an architecture that is not a class name never reaches the loading snippet's code
+    info["architecture"] = "X\nimport os"
+    (tmp_path / "soup" / "sparsity.json").write_text(json.dumps(info))
+    with fake_hub() as sent, pytest.raises(ValueError, match="not a class name"):
+        push_to_hub(folder, "me/r", token=TOKEN)
+    assert sent["files"] == {}
+
+
+def test_push_never_replaces_a_card_the_user_wrote(tmp_path):
+    folder = _checkpoint_with_trainer_files(tmp_path / "soup")
+    (tmp_path / "soup" / "README.md").write_text("# my own card\n")
+    with fake_hub() as sent, pytest.raises(ValueError, match="card='keep'.*card='replace'"):
+        push_to_hub(folder, "me/r", token=TOKEN)
+    assert sent["files"] == {} and not sent["create"].called  # refused before any request
+    with fake_hub() as sent:
+        push_to_hub(folder, "me/r", token=TOKEN, card="keep")
+    assert sent["files"]["README.md"] == b"# my own card\n"
+    with fake_hub() as sent:
+        push_to_hub(folder, "me/r", token=TOKEN, card="replace")
+    assert b"hf-sms" in sent["files"]["README.md"] and b"my own card" not in sent["files"]["README.md"]
+    assert (tmp_path / "soup" / "README.md").read_text() == "# my own card\n"  # the local file stays
+    with pytest.raises(ValueError, match="card must be one of"):
+        push_to_hub(folder, "me/r", token=TOKEN, card="overwrite")
+
+
+def test_a_json_file_of_the_wrong_type_names_the_file(tmp_path):
+    folder = _checkpoint_with_trainer_files(tmp_path / "soup")
+    (tmp_path / "soup" / "sparsity.json").write_text("[1, 2]")
+    for read in (lambda: load_sparse(folder, make_cnn()), lambda: inspect_checkpoint(folder)):
+        with pytest.raises(ValueError, match="sparsity.json holds a JSON list, not an object"):
+            read()
 
 
 # -- 3. no prompt, no remote code ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from typing import Protocol
 
 from safetensors.torch import save_file
@@ -115,6 +116,11 @@ class Family:
             location: the Hub repository id, or a local folder.
             hub: whether ``location`` is a Hub repository.
         """
+        if architecture is not None and not re.fullmatch(
+            r"[A-Za-z_]\w{0,200}(\.[A-Za-z_]\w{0,200}){0,20}", str(architecture), re.ASCII
+        ):
+            # the name goes into Python code that readers copy and run
+            raise ValueError(f"architecture {architecture!r} is not a class name; re-save the checkpoint")
         lines = self.own_loader(architecture, fmt, location, hub)
         if lines is None:
             source = f"snapshot_download({_literal(location)})" if hub else _literal(location)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -39,9 +40,14 @@ def read_json(path: str | None) -> dict | None:
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); restore it or re-save the checkpoint") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(data).__name__}, not an object; restore it or re-save the checkpoint"
+        )
+    return data
 
 
 def write_json(path: str, data: dict) -> None:
@@ -51,12 +57,25 @@ def write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
+_HUB_CACHE_REPO = re.compile(r"^(models|datasets|spaces)--[^/]+$")
+
+
 def _hub_cache_blobs(directory: str) -> str | None:
-    """The ``blobs`` folder of a huggingface_hub cache snapshot (``<repo>/snapshots/<revision>``), else ``None``:
-    there every file is a symbolic link into it."""
-    parent = os.path.dirname(os.path.abspath(directory))
-    blobs = os.path.join(os.path.dirname(parent), "blobs")
-    return os.path.realpath(blobs) if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs) else None
+    """The ``blobs`` folder of a huggingface_hub cache snapshot, else ``None``: there every file is a symbolic
+    link into it.
+
+    Only the cache's real layout counts: ``<models|datasets|spaces>--<id>/snapshots/<revision>``, with the
+    snapshot, ``snapshots`` and ``blobs`` real folders (not links). A ``blobs`` that is itself a link could lead
+    anywhere (a private folder), and every file there would pass for the snapshot's own.
+    """
+    snapshot = os.path.abspath(directory)
+    snapshots = os.path.dirname(snapshot)
+    repo = os.path.dirname(snapshots)
+    blobs = os.path.join(repo, "blobs")
+    layout = os.path.basename(snapshots) == "snapshots" and _HUB_CACHE_REPO.match(os.path.basename(repo))
+    if not layout or any(os.path.islink(p) or not os.path.isdir(p) for p in (snapshot, snapshots, blobs)):
+        return None
+    return os.path.realpath(blobs)
 
 
 def checkpoint_file(directory: str, name: str) -> str | None:
