@@ -122,3 +122,7 @@ PRETRAIN_SHAPES: Registry = Registry("original LR schedule shape")  # hf_sms.sch
 SOUPS: Registry = Registry("soup method")  # hf_sms.soup: one file per soup
 PRUNING_METHODS: Registry = Registry("pruning method", hint="or 'imp' (the SMS loop)")  # hf_sms.methods: one file each
 BASELINES: Registry = Registry("baseline")  # hf_sms.baselines
+CRITERIA: Registry = Registry("pruning criterion")  # hf_sms.pruning.criteria
+STRUCTURES: Registry = Registry(
+    "pruning structure", hint="or 'n:m' (e.g. '2:4'), or several joined by '+' (e.g. 'neurons+heads')"
+)  # hf_sms.pruning.structures

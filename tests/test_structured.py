@@ -124,11 +124,11 @@ def test_bad_sparsity_is_explained(sparsity):
         compute_masks(make_cnn(), sparsity, "filter_l2")
 
 
-def test_a_model_without_convolutions_is_left_dense_with_a_warning():
+def test_a_model_without_convolutions_is_refused_before_it_trains_at_sparsity_zero():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    with pytest.warns(UserWarning, match="conv filters only"):
-        masks = compute_masks(model, 0.5, "filter_l2")
-    assert all(m.all() for m in masks.values())
+    for how in ({"allocation": "filter_l2"}, {"structure": "filters"}):
+        with pytest.raises(ValueError, match="'filters' finds no units in Sequential .no conv layers"):
+            compute_masks(model, 0.5, **how)
 
 
 @pytest.mark.parametrize("layer", [nn.ConvTranspose2d(4, 6, 3, groups=2), nn.Conv2d(4, 6, 3, groups=2)])

@@ -1,9 +1,10 @@
 """Sparsity allocations: how a target sparsity is spread over the prunable weights (docs/method.md §2).
 
-Each allocation is a pure function ``(tensors, weights, masks, sparsity) -> masks`` in a registry, so a new
-one is one function and one decorator line. ``weights`` are detached float32 copies of the weights with
-pruned entries zeroed; ``masks`` always exist (all-True when unpruned); each tensor's ``uses`` tell which
-layers use it in which order (see :func:`hf_sms.pruning.prunable.first_use`).
+Each allocation is a pure function ``(tensors, scores, masks, sparsity) -> masks`` in a registry, so a new
+one is one function and one decorator line. ``scores`` are the criterion's (:mod:`hf_sms.pruning.criteria`;
+``|w|`` for the default ``"magnitude"``), higher is kept; ``masks`` always exist (all-True when unpruned); each
+tensor's ``uses`` tell which layers use it in which order (see :func:`hf_sms.pruning.prunable.first_use`).
+Whole units (filters, neurons, heads) are the structures' (:mod:`hf_sms.pruning.structures`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..registry import ALLOCATIONS
-from .prunable import Masks, PrunableTensor, filter_index, first_use, last_use, per_filter_sum
+from .prunable import Masks, PrunableTensor, first_use, last_use
 
 Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
 register_allocation = ALLOCATIONS.register
@@ -65,31 +66,31 @@ def _per_tensor_top(tensors, scores, masks: Masks, sparsities: dict[str, float])
 
 
 @register_allocation("global")
-def global_magnitude(tensors, weights, masks, sparsity):
-    """One threshold on |w| over all prunable weights (the paper's default)."""
-    return _global_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, sparsity)
+def global_magnitude(tensors, scores, masks, sparsity):
+    """One threshold on the scores of all prunable weights (with |w|: the paper's default)."""
+    return _global_top(tensors, scores, masks, sparsity)
 
 
 @register_allocation("uniform")
-def uniform_magnitude(tensors, weights, masks, sparsity):
+def uniform_magnitude(tensors, scores, masks, sparsity):
     """Every prunable tensor gets the same sparsity."""
-    return _per_tensor_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, dict.fromkeys(weights, sparsity))
+    return _per_tensor_top(tensors, scores, masks, dict.fromkeys(scores, sparsity))
 
 
 @register_allocation("uniform_plus")
-def uniform_plus_magnitude(tensors, weights, masks, sparsity):
+def uniform_plus_magnitude(tensors, scores, masks, sparsity):
     """Uniform, but the first conv stays dense and the last linear layer is pruned to at most 80% (Gale 2019).
 
     First and last follow ``PrunableTensor.uses``: call order when masks get ``example_inputs``, else
     module order. A weight tied to a later Linear (T5's shared embedding and lm_head) is a linear use there.
     """
-    sparsities = dict.fromkeys(weights, sparsity)
+    sparsities = dict.fromkeys(scores, sparsity)
     first_conv, last_linear = first_use(tensors, "conv"), last_use(tensors, "linear")
     if first_conv is not None:
         sparsities[first_conv.name] = 0.0
     if last_linear is not None:
         sparsities[last_linear.name] = min(sparsity, 0.8)
-    return _per_tensor_top(tensors, {n: w.abs() for n, w in weights.items()}, masks, sparsities)
+    return _per_tensor_top(tensors, scores, masks, sparsities)
 
 
 def erk_densities(shapes: dict[str, tuple[int, ...]], sparsity: float) -> dict[str, float]:
@@ -112,9 +113,8 @@ def erk_densities(shapes: dict[str, tuple[int, ...]], sparsity: float) -> dict[s
 
 
 @register_allocation("erk")
-def erk_magnitude(tensors, weights, masks, sparsity):
+def erk_magnitude(tensors, scores, masks, sparsity):
     densities = erk_densities({t.name: tuple(t.param.shape) for t in tensors}, sparsity)
-    scores = {n: w.abs() for n, w in weights.items()}
     return _per_tensor_top(tensors, scores, masks, {n: 1.0 - d for n, d in densities.items()})
 
 
@@ -129,44 +129,9 @@ def lamp_scores(weight: torch.Tensor) -> torch.Tensor:
 
 
 @register_allocation("lamp")
-def lamp_magnitude(tensors, weights, masks, sparsity):
-    # Pruned weights are zero, so they already rank first within each tensor.
-    return _global_top(tensors, {n: lamp_scores(w * masks[n]) for n, w in weights.items()}, masks, sparsity)
-
-
-def _filter_prune(tensors, weights, masks, sparsity, p: int) -> Masks:
-    convs = [t for t in tensors if t.kind == "conv"]
-    if not convs:  # consistent with linear layers never being pruned here, and every allocation runs on any model
-        warnings.warn("filter pruning removes conv filters only; this model has none: nothing pruned", stacklevel=5)
-    out = dict(masks)  # linear and embedding weights keep their masks: Li et al. 2017 prune conv filters only
-    for t in convs:
-        layout = (t.transposed, t.groups)
-        mask = masks[t.name]
-        alive = per_filter_sum(mask.long(), *layout) > 0
-        # Pruned entries are zero in ``weights``, so a partly pruned filter scores its surviving weights only.
-        norms = per_filter_sum(weights[t.name].abs().pow(p), *layout)
-        keep = _keep_top(_masked_scores(norms, alive), _n_keep(alive.numel(), sparsity, int(alive.sum())))
-        index = filter_index(mask.shape, *layout).to(mask.device).expand_as(mask)
-        out[t.name] = mask & keep[index]  # & mask: masks only grow, also inside the filters kept
-    return out
-
-
-@register_allocation("filter_l2", prunes="conv")  # `prunes`: the layers it can prune; checked before a run
-def filter_l2(tensors, weights, masks, sparsity):
-    """Structured pruning (Li et al. 2017, docs/method.md §2): in every conv layer remove the same fraction of
-    output filters, those of smallest L2 norm, each as a whole.
-
-    ``sparsity`` is the fraction of *filters* per conv layer: exactly ``round(sparsity * n_filters)`` are removed
-    in each (more if earlier masks already removed more; removed filters stay removed). Linear and embedding
-    weights are not pruned, so the fraction of weights removed is lower than ``sparsity``.
-    """
-    return _filter_prune(tensors, weights, masks, sparsity, p=2)
-
-
-@register_allocation("filter_l1", prunes="conv")
-def filter_l1(tensors, weights, masks, sparsity):
-    """As ``filter_l2`` but scoring filters by their L1 norm, Li et al. 2017's own criterion (their §3.1)."""
-    return _filter_prune(tensors, weights, masks, sparsity, p=1)
+def lamp_magnitude(tensors, scores, masks, sparsity):
+    """LAMP over the criterion's scores (with |w|, Lee et al.'s own); pruned weights rank first in each tensor."""
+    return _global_top(tensors, {n: lamp_scores(s * masks[n]) for n, s in scores.items()}, masks, sparsity)
 
 
 _N_OF_M = re.compile(r"(\d+):(\d+)")
@@ -192,23 +157,26 @@ ALLOCATIONS.parse = _n_of_m_allocation
 get_allocation = ALLOCATIONS.get  # a registered allocation, or "n:m" (n_of_m); else a clear error
 
 
-def n_of_m(tensors, weights, masks, sparsity, *, n: int, m: int) -> Masks:
+def n_of_m(tensors, scores, masks, sparsity, *, n: int, m: int) -> Masks:
     """n:m sparsity (Mishra et al. 2021; Zhou et al. 2021): in every group of ``m`` consecutive input weights of a
     linear layer (``nn.Linear``, attention projections, transformers' ``Conv1D``) exactly ``n`` are kept, those of
-    largest magnitude; the pattern torch's 2:4 semi-structured kernels run (``allocation="2:4"``).
+    highest score; the pattern torch's 2:4 semi-structured kernels run (``structure="2:4"``).
 
     Convolutions and embeddings (a tied lm_head included) and linear layers whose input size is not a multiple of
-    ``m`` are left as they are (dense, or their earlier masks), with a warning naming the latter. ``sparsity`` is
-    the phase's target on the way to ``1 - n/m``: a phase keeps ``max(n, m - round(sparsity * m))`` of every
-    ``m``, so one phase goes straight to n:m (NVIDIA's one-shot recipe) and several go through coarser patterns
-    (3:4, then 2:4); masks only grow, so each phase chooses among the weights the last one kept.
+    ``m`` are left as they are (dense, or their earlier masks), with a warning naming the latter; ``ValueError`` if
+    no layer fits the pattern. ``sparsity`` is the phase's target on the way to ``1 - n/m`` (more is refused): a
+    phase keeps ``max(n, m - round(sparsity * m))`` of every ``m``, so one phase goes straight to n:m (NVIDIA's
+    one-shot recipe) and several go through coarser patterns (3:4, then 2:4); masks only grow, so each phase
+    chooses among the weights the last one kept.
     """
+    if sparsity > 1 - n / m + 1e-9:
+        raise ValueError(f"{n}:{m} keeps {n} of every {m} weights: its sparsity is at most {1 - n / m:g}, not {sparsity:g}")
     keep = max(n, m - round(sparsity * m))
-    out, skipped = dict(masks), []
+    out, skipped, pruned = dict(masks), [], 0
     for t in tensors:
         if t.kind != "linear" or t.param.dim() != 2:
             continue
-        score, mask = weights[t.name].abs(), masks[t.name]
+        score, mask = scores[t.name], masks[t.name]
         if t.transposed:  # Conv1D stores (in, out): groups run along its first dimension
             score, mask = score.t(), mask.t()
         if score.shape[1] % m:
@@ -218,6 +186,13 @@ def n_of_m(tensors, weights, masks, sparsity, *, n: int, m: int) -> Masks:
         kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(keep, dim=1).indices, True)
         kept = kept.reshape(score.shape) & mask
         out[t.name] = kept.t() if t.transposed else kept
+        pruned += 1
+    if not pruned:
+        raise ValueError(
+            f"{n}:{m} sparsity prunes linear layers whose input size is a multiple of {m}, and this model has none "
+            f"(e.g. {skipped[:3]}): the run would train at sparsity 0. Choose m dividing the input sizes, or "
+            "another structure"
+        )
     if skipped:
         warnings.warn(
             f"{n}:{m} sparsity leaves dense the linear weights whose input size is not a multiple of {m}: "
