@@ -3,21 +3,37 @@
 from . import baselines, methods, soup  # noqa: F401  (registering every soup, method and baseline)
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import load_sparse, save_sparse, transformers_integration
+from .checkpoint.families import register_family
 from .config import SparseSoupConfig
 from .hub import push_to_hub
 from .loop.sms import SparseModelSoup, run_sms
+from .methods.common import MethodContext
+from .phase import PhaseSpec
 from .pruning import (
+    CriterionContext,
     PruningStep,
+    UnitGroup,
     apply_masks,
     compute_masks,
     phase_sparsities,
     prunable_tensors,
     prune,
+    shrink,
     sparsity_report,
 )
-from .registry import ALLOCATIONS, BASELINES, PRUNING_METHODS, RETRAIN_SCHEDULES, SOUPS, Registry
+from .registry import (
+    ALLOCATIONS,
+    BASELINES,
+    CRITERIA,
+    PRUNING_METHODS,
+    RETRAIN_SCHEDULES,
+    SOUPS,
+    STRUCTURES,
+    Registry,
+)
 from .runtime import to_sparse_runtime
 from .soup import greedy_soup, uniform_soup
+from .soup.method import SoupMethod
 from .trainer import SparseSoupTrainer
 
 transformers_integration.register()  # AutoModel*.from_pretrained(dir) decodes bitmask checkpoints
@@ -26,11 +42,17 @@ __version__ = "0.1.0"
 __all__ = [
     "ALLOCATIONS",
     "BASELINES",
+    "CRITERIA",
     "PRUNING_METHODS",
     "RETRAIN_SCHEDULES",
     "SOUPS",
+    "STRUCTURES",
+    "CriterionContext",
+    "MethodContext",
+    "PhaseSpec",
     "PruningStep",
     "Registry",
+    "SoupMethod",
     "SparseModelSoup",
     "SparseSoupConfig",
     "SparseSoupTrainer",
@@ -45,7 +67,10 @@ __all__ = [
     "recalibrate_batchnorm",
     "run_sms",
     "save_sparse",
+    "register_family",
+    "shrink",
     "sparsity_report",
     "to_sparse_runtime",
+    "UnitGroup",
     "uniform_soup",
 ]

@@ -9,7 +9,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
 from .pruning.allocations import parse_n_of_m
-from .pruning.masks import phase_sparsities
+from .pruning.masks import phase_sparsities, resolve_pruning
 from .registry import ALLOCATIONS, BASELINES, PRETRAIN_SHAPES, PRUNING_METHODS, RETRAIN_SCHEDULES, SOUPS
 from .seeding import derive_seed
 
@@ -22,7 +22,7 @@ class SparseSoupConfig(TrainingArguments):
     r"""Configuration of a Sparse Model Soups run; every TrainingArguments field applies to each replica.
 
     Parameters that control pruning:
-        target_sparsity, n_phases, allocation.
+        target_sparsity, n_phases, allocation, structure, criterion (see :func:`hf_sms.compute_masks`).
     Parameters that control retraining (docs/method.md §3):
         retrain_schedule, pretrain_learning_rate, pretrain_min_learning_rate, pretrain_schedule,
         pretrain_epochs, retrain_warmup_fraction (``warmup_steps``, if set, takes precedence),
@@ -47,9 +47,27 @@ class SparseSoupConfig(TrainingArguments):
     # Pruning
     target_sparsity: float = field(default=0.9, metadata={"help": "Goal sparsity after the last phase, in [0, 1)."})
     n_phases: int = field(default=3, metadata={"help": "Number of prune-retrain(-merge) phases."})
-    allocation: str = field(
-        default="global",
-        metadata={"help": "How sparsity is spread over layers: a name in hf_sms.registry.ALLOCATIONS, or 'n:m' (2:4)."},
+    allocation: str | None = field(
+        default=None,
+        metadata={
+            "help": "How sparsity is spread over layers: a name in hf_sms.registry.ALLOCATIONS (default: 'global' "
+            "for unstructured pruning, 'uniform' for units); the older 'filter_l2', 'filter_l1' and 'n:m' still work."
+        },
+    )
+    structure: str | None = field(
+        default=None,
+        metadata={
+            "help": "Which weights fall together: 'unstructured' (default), 'filters', 'neurons', 'heads', 'n:m' "
+            "(2:4), or units joined by '+' ('neurons+heads'). For units target_sparsity is the fraction of units "
+            "removed per layer, "
+            "and the final soup is saved as a plain smaller model (hf_sms.shrink)."
+        },
+    )
+    criterion: str = field(
+        default="magnitude",
+        metadata={
+            "help": "What a weight is worth: a name in hf_sms.registry.CRITERIA (magnitude, l1, l2, random, wanda)."
+        },
     )
     # Retraining
     retrain_schedule: str = field(
@@ -186,6 +204,13 @@ class SparseSoupConfig(TrainingArguments):
             raise ValueError(f"merge_methods={self.merge_methods} must name each soup method once, e.g. ['uniform']")
         if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
+        given = {"allocation": self.allocation, "structure": self.structure, "criterion": self.criterion}
+        try:
+            pruning = resolve_pruning(**given)
+        except ValueError as e:
+            raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in given.items() if v is not None)}: {e}") from None
+        if self.allocation is None:  # recorded as what it means, so a run folder says it
+            self.allocation = pruning.allocation
         # Every named piece must exist, and passes its own check of this config (the registries own the rules).
         named = [
             ("allocation", ALLOCATIONS, [self.allocation]),
@@ -201,10 +226,10 @@ class SparseSoupConfig(TrainingArguments):
                     registry.check(value, self)
                 except ValueError as e:
                     raise ValueError(f"{field_name}={value!r}: {e}") from None
-        nm = parse_n_of_m(self.allocation)
+        nm = parse_n_of_m(pruning.structure)
         if nm is not None and abs(self.target_sparsity - (1 - nm[0] / nm[1])) > 1e-9:
             raise ValueError(
-                f"allocation={self.allocation!r} prunes linear weights to exactly {1 - nm[0] / nm[1]:g}: set "
+                f"structure={pruning.structure!r} prunes linear weights to exactly {1 - nm[0] / nm[1]:g}: set "
                 f"target_sparsity={1 - nm[0] / nm[1]:g}"
             )
         if self.pretrain_epochs is not None and not self.pretrain_epochs > 0:
@@ -274,6 +299,19 @@ class SparseSoupConfig(TrainingArguments):
         if self.pretrain_min_learning_rate is not None:
             return self.pretrain_min_learning_rate
         return PRETRAIN_SHAPES[self.pretrain_schedule](1.0, self.eta_max, 0.0)
+
+    @property
+    def pruning(self) -> dict:
+        """This run's pruning as keyword arguments of :func:`hf_sms.compute_masks` / :func:`hf_sms.prune`: allocation,
+        structure, criterion, and the seed of a criterion that needs one (one stream for the whole run, so every
+        process and every resumed phase computes the same masks)."""
+        p = resolve_pruning(self.allocation, self.structure, self.criterion)
+        return {
+            "allocation": p.allocation,
+            "structure": p.structure,
+            "criterion": p.criterion,
+            "seed": derive_seed(self.seed, "pruning"),
+        }
 
     def phase_replicas(self, phase: int) -> int:
         """m of ``phase`` (0-based)."""

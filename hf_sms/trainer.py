@@ -107,7 +107,7 @@ class SparseSoupTrainer(Trainer):
                     args.label_names = ["labels"]
         super().__init__(model=model, args=args, **kwargs)
         if masks is None:
-            step = prune(self.model, args.target_sparsity, args.allocation)
+            step = prune(self.model, args.target_sparsity, **args.pruning)
         elif isinstance(masks, PruningStep):
             step = masks
         else:

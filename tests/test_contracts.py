@@ -61,7 +61,9 @@ def test_every_soup_keeps_the_mask_and_its_promises(name):
         return -float((model(x) - target).pow(2).mean())
 
     scores = [evaluate(r) for r in replicas]
-    result, weights = soup(replicas, name, scores=scores, evaluate=evaluate, sparsity=0.7, allocation="uniform")
+    result, weights = soup(
+        replicas, name, scores=scores, evaluate=evaluate, sparsity=0.7, pruning={"allocation": "uniform"}
+    )
     assert len(weights) == len(replicas) and any(weights)
     got = masks_from_model(result)
     if method.same_mask or not method.reprune:  # a weight pruned in every candidate is exactly zero in the soup

@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from transformers.trainer_utils import has_length
 
 from ..data import peek
+from ..pruning.masks import resolve_pruning
 from ..pruning.prunable import prunable_tensors
-from ..registry import ALLOCATIONS
+from ..pruning.structures import NOfM, unit_groups
+from ..registry import STRUCTURES
 
 
 def check_inputs(args, train_dataset, eval_dataset, metric_fn) -> None:
@@ -60,9 +62,38 @@ def check_model(args, model) -> None:
             f"{type(model).__name__} has parameters on the meta device (e.g. {meta[:3]}): built without weights "
             "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
         )
-    kind = ALLOCATIONS.meta(args.allocation).get("prunes")  # {} for an n:m pattern
-    if kind and not any(t.kind == kind for t in prunable_tensors(model)):
+    check_structure(args, model)
+
+
+def check_structure(args, model) -> None:
+    """Raise before any work where the run's structure finds nothing to prune in ``model`` (filters in a model
+    without convs, heads in a convnet), cannot be expressed by its family (heads in GPT-2), would leave a layer
+    without units at the target, or an n:m pattern fits no layer."""
+    pruning = resolve_pruning(args.allocation, args.structure, args.criterion)
+    tensors = prunable_tensors(model)
+    structure = STRUCTURES.get(pruning.structure)
+    if isinstance(structure, NOfM):
+        if not any(
+            t.kind == "linear" and t.param.dim() == 2 and t.param.shape[0 if t.transposed else 1] % structure.m == 0
+            for t in tensors
+        ):
+            raise ValueError(
+                f"structure={pruning.structure!r} prunes linear layers whose input size is a multiple of "
+                f"{structure.m}, and {type(model).__name__} has none: the run would train at sparsity 0"
+            )
+        return
+    if pruning.structure == "unstructured":
+        return
+    groups = unit_groups(model, pruning.structure, tensors)
+    if not groups:
         raise ValueError(
-            f"allocation={args.allocation!r} prunes {kind} layers only and {type(model).__name__} has none: the run "
-            "would train at sparsity 0. Use an unstructured allocation, e.g. 'global'"
+            f"structure={pruning.structure!r} finds no units in {type(model).__name__}: the run would train at "
+            "sparsity 0. Use a structure the model has (e.g. 'filters' for convnets, 'neurons' for transformers) "
+            "or 'unstructured'"
         )
+    for g in groups:
+        if g.n_units - round(args.target_sparsity * g.n_units) < 1:
+            raise ValueError(
+                f"target_sparsity={args.target_sparsity:g} removes all {g.n_units} {g.kind} of {g.name}; a layer "
+                f"keeps at least one: use a target below {1 - 0.5 / g.n_units:.4g}"
+            )

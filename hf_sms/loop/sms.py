@@ -34,6 +34,7 @@ from ..soup.soup import soup
 from ..trainer import SparseSoupTrainer
 from .checks import check_inputs, check_model
 from .distributed import ReplicaWorld
+from .final_soup import save_final_soup
 from .recorder import Recorder
 from .run_directory import RunDirectory, config_fingerprint, data_hash, default_config, model_hash
 
@@ -158,12 +159,14 @@ class SparseModelSoup:
             self.recorder.save()
             if self.world.is_main:
                 soup_dir = self.run_dir.path(FINAL_SOUP)
-                metrics = self.recorder.final_metrics()
-                save_sparse(
+                save_final_soup(
                     self.final_soup,
                     soup_dir,
+                    dense=self.pretrained,
+                    structure=a.pruning["structure"],
+                    example=self.example,
                     recipe=self.recipe(),
-                    metrics=metrics,
+                    metrics=self.recorder.final_metrics(),
                     processing_class=self.processing_class,
                 )
                 if a.push_to_hub:
@@ -191,21 +194,18 @@ class SparseModelSoup:
         """One phase (:mod:`hf_sms.phase`): prune (Step 1), retrain this process's replicas (Step 2), score
         them on validation, soup them (Step 3)."""
         start, world = time.perf_counter(), self.world
-        allocation = self.args.allocation
+        pruning = {**self.args.pruning, "example_inputs": self.example}
         owned = world.owned(len(spec.hparams))
         if spec.shared:  # one mask for every replica, broadcast from rank 0
             step = (
-                prune(spec.start, spec.sparsity, allocation, spec.masks, world.broadcast_masks, self.example)
+                prune(spec.start, spec.sparsity, masks=spec.masks, sync=world.broadcast_masks, **pruning)
                 if spec.prune
                 else PruningStep.measure(spec.start, spec.masks or {})
             )
             starts, steps = dict.fromkeys(owned, spec.start), dict.fromkeys(owned, step)
         else:  # independent tracks: each prunes its own model, no broadcast
             masks = spec.masks or {}
-            steps = {
-                i: prune(spec.start[i], spec.sparsity, allocation, masks.get(i), example_inputs=self.example)
-                for i in owned
-            }
+            steps = {i: prune(spec.start[i], spec.sparsity, masks=masks.get(i), **pruning) for i in owned}
             starts, step = spec.start, steps
         candidates = {
             i: self.recalibrate(
@@ -233,8 +233,7 @@ class SparseModelSoup:
                 recalibrate=self.recalibrate,
                 config=self.args,
                 sparsity=spec.sparsity,
-                allocation=allocation,
-                example_inputs=self.example,
+                pruning=pruning,
             )
             kept = [i for i, w in enumerate(weights) if w]
         return PhaseResult(result, candidates, val, kept, step, time.perf_counter() - start)
@@ -263,7 +262,7 @@ class SparseModelSoup:
             "replicas": [a.replica_overrides(p) for p in n],
             "merge_method": a.merge_methods[0],
             "retrain_schedule": a.retrain_schedule,
-            "allocation": a.allocation,
+            **{k: v for k, v in a.pruning.items() if k != "seed"},
             "num_train_epochs": a.num_train_epochs,
             "max_steps": a.max_steps,
         }

@@ -59,9 +59,15 @@ class DynamicPruning(GradualPruning):
     """
 
     def __init__(
-        self, n_steps: int, target: float, allocation: str = "global", interval: int = 16, example_inputs=None
+        self,
+        n_steps: int,
+        target: float,
+        allocation: str | None = None,
+        interval: int = 16,
+        example_inputs=None,
+        **pruning,
     ):
-        super().__init__(n_steps, target, allocation, example_inputs)
+        super().__init__(n_steps, target, allocation, example_inputs, **pruning)
         if not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval (iterations between mask updates) must be an integer >= 1, got {interval!r}")
         self.interval = interval
@@ -78,7 +84,7 @@ class DynamicPruning(GradualPruning):
 
     def _prune(self, sparsity: float, optimizer) -> None:
         # From the dense weights and without the old masks: a pruned weight that grew large comes back.
-        masks = compute_masks(self.trainer.model, sparsity, self.allocation, None, self.example_inputs)
+        masks = compute_masks(self.trainer.model, sparsity, example_inputs=self.example_inputs, **self.pruning)
         self.trainer.set_masks(masks)
 
 
@@ -90,7 +96,10 @@ def dpf(ctx):
     a = ctx.args
 
     def callback(example_inputs=None):
-        return DynamicPruning(a.pruning_steps, a.target_sparsity, a.allocation, a.dpf_interval, example_inputs)
+        pruning = {k: v for k, v in a.pruning.items() if k != "allocation"}
+        return DynamicPruning(
+            a.pruning_steps, a.target_sparsity, a.allocation, a.dpf_interval, example_inputs, **pruning
+        )
 
     def plain(continues: bool) -> dict:
         return {"callbacks": [callback(ctx.example)], "masking": FeedbackMasking(keep_dense=continues)}

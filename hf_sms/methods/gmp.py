@@ -19,8 +19,7 @@ import copy
 from transformers import TrainerCallback
 
 from ..phase import PhaseSpec, phase_folder
-from ..pruning.allocations import get_allocation
-from ..pruning.masks import apply_masks, compute_masks, masks_from_model
+from ..pruning.masks import apply_masks, compute_masks, masks_from_model, resolve_pruning
 from ..registry import PRUNING_METHODS
 from ..seeding import derive_seed
 from .common import check_pruning_steps, single, sms_start_step, total_steps
@@ -109,14 +108,26 @@ class GradualPruning(TrainerCallback):
     Args:
         n_steps: number of pruning steps n.
         target: final sparsity S in [0, 1).
-        allocation: a name in ``ALLOCATIONS``; the paper's "global" by default.
+        allocation, structure, criterion, seed: what each step prunes (see :func:`hf_sms.compute_masks`); the
+            paper's global magnitude pruning by default.
         example_inputs: a batch that orders layers by call (for ``uniform_plus``; see ``compute_masks``).
     """
 
-    def __init__(self, n_steps: int, target: float, allocation: str = "global", example_inputs=None):
+    def __init__(
+        self,
+        n_steps: int,
+        target: float,
+        allocation: str | None = None,
+        example_inputs=None,
+        *,
+        structure: str | None = None,
+        criterion: str | None = None,
+        seed: int = 0,
+    ):
         _check_schedule(n_steps, target)
-        get_allocation(allocation)  # raises on an unknown name
-        self.n_steps, self.target, self.allocation = n_steps, float(target), allocation
+        resolve_pruning(allocation, structure, criterion)  # raises on an unknown name or combination
+        self.n_steps, self.target = n_steps, float(target)
+        self.pruning = {"allocation": allocation, "structure": structure, "criterion": criterion, "seed": seed}
         self.example_inputs = example_inputs
         self.trainer = None  # the SparseSoupTrainer, bound when it trains
 
@@ -138,7 +149,9 @@ class GradualPruning(TrainerCallback):
 
     def _prune(self, sparsity: float, optimizer) -> None:
         trainer = self.trainer
-        masks = compute_masks(trainer.model, sparsity, self.allocation, trainer.masks or None, self.example_inputs)
+        masks = compute_masks(
+            trainer.model, sparsity, masks=trainer.masks or None, example_inputs=self.example_inputs, **self.pruning
+        )
         trainer.set_masks(masks, optimizer)
 
     def _maybe_prune(self, state, optimizer) -> None:
@@ -194,7 +207,7 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
     masks, result = (None if dense_phases else masks_from_model(model)), None
     for p, (begin, end, sparsity) in enumerate(sms):
         if dense_phases:  # the phase's mask from the dense weights, not applied: they keep their values
-            masks = world.broadcast_masks(compute_masks(model, sparsity, a.allocation, example_inputs=ctx.example))
+            masks = world.broadcast_masks(compute_masks(model, sparsity, example_inputs=ctx.example, **a.pruning))
         spec = PhaseSpec(
             sparsity=sparsity,
             start=model,
@@ -218,7 +231,8 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
         model = result.soup
         if dense_phases:  # what the phase gives is its mean under the phase's mask (DPF is judged sparse)
             sparse = copy.deepcopy(model)
-            apply_masks(sparse, world.broadcast_masks(compute_masks(sparse, sparsity, a.allocation, None, ctx.example)))
+            masks = compute_masks(sparse, sparsity, example_inputs=ctx.example, **a.pruning)
+            apply_masks(sparse, world.broadcast_masks(masks))
             result.soup = ctx.recalibrate(sparse)
         else:
             masks = result.masks
@@ -230,7 +244,7 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
 def gmp(ctx):
     """GMP: the plain run prunes with :class:`GradualPruning`; the copies train under the phase's mask."""
     a = ctx.args
-    callback = GradualPruning(a.pruning_steps, a.target_sparsity, a.allocation, ctx.example)
+    callback = GradualPruning(a.pruning_steps, a.target_sparsity, example_inputs=ctx.example, **a.pruning)
     return gradual(ctx, lambda continues: {"callbacks": [callback]}, dict, a.merge_methods[0])
 
 

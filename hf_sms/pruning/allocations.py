@@ -170,7 +170,9 @@ def n_of_m(tensors, scores, masks, sparsity, *, n: int, m: int) -> Masks:
     chooses among the weights the last one kept.
     """
     if sparsity > 1 - n / m + 1e-9:
-        raise ValueError(f"{n}:{m} keeps {n} of every {m} weights: its sparsity is at most {1 - n / m:g}, not {sparsity:g}")
+        raise ValueError(
+            f"{n}:{m} keeps {n} of every {m} weights: its sparsity is at most {1 - n / m:g}, not {sparsity:g}"
+        )
     keep = max(n, m - round(sparsity * m))
     out, skipped, pruned = dict(masks), [], 0
     for t in tensors:

@@ -77,7 +77,9 @@ def input_norms(model: nn.Module, example_inputs) -> dict[int, torch.Tensor]:
     def record(module, args):
         x = args[0] if args else None
         if torch.is_tensor(x) and x.is_floating_point():
-            sums[id(module.weight)] = sums[id(module.weight)] + x.detach().float().reshape(-1, x.shape[-1]).square().sum(0)
+            sums[id(module.weight)] = sums[id(module.weight)] + x.detach().float().reshape(
+                -1, x.shape[-1]
+            ).square().sum(0)
 
     linear = [m for m in model.modules() if (_layer_weights(m) or ("",))[0] == "linear" and hasattr(m, "weight")]
     hooks = [m.register_forward_pre_hook(record) for m in linear]

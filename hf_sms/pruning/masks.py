@@ -57,7 +57,9 @@ class Pruning:
     criterion: str = "magnitude"
 
 
-def resolve_pruning(allocation: str | None = None, structure: str | None = None, criterion: str | None = None) -> Pruning:
+def resolve_pruning(
+    allocation: str | None = None, structure: str | None = None, criterion: str | None = None
+) -> Pruning:
     """The :class:`Pruning` these names ask for, checked; ``ValueError`` for a name or a combination that does not
     exist, before any work.
 
@@ -71,7 +73,9 @@ def resolve_pruning(allocation: str | None = None, structure: str | None = None,
         legacy = {"structure": allocation}
     for key, given in (("structure", structure), ("criterion", criterion)):
         if key in legacy and given is not None and given != legacy[key]:
-            raise ValueError(f"allocation={allocation!r} means {key}={legacy[key]!r}; it cannot go with {key}={given!r}")
+            raise ValueError(
+                f"allocation={allocation!r} means {key}={legacy[key]!r}; it cannot go with {key}={given!r}"
+            )
     if "structure" in legacy:
         allocation, structure = legacy.get("allocation", "uniform"), legacy["structure"]
         criterion = criterion or legacy.get("criterion")

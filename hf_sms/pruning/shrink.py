@@ -18,7 +18,7 @@ from torch import nn
 from ..batchnorm import forward_batch
 from .prunable import accepts_labels, is_conv1d, unfused_attention
 from .structured import module_zero_filters, shrink_filters
-from .structures import UnitGroup, neurons, removed_units
+from .structures import UnitGroup, neurons, removed_units, unit_report
 from .structures import heads as find_heads
 
 
@@ -70,7 +70,9 @@ def _cut(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor]) ->
             owner = model.get_submodule(owner_name)
             tensor = getattr(owner, attribute)
             index = m.index(kept.to(tensor.device), tensor.shape[m.dim])
-            setattr(owner, attribute, nn.Parameter(tensor.detach().index_select(m.dim, index).clone(), tensor.requires_grad))
+            setattr(
+                owner, attribute, nn.Parameter(tensor.detach().index_select(m.dim, index).clone(), tensor.requires_grad)
+            )
             layers.add(owner_name)
         n = int(kept.sum())
         for module_name, attributes in g.modules.items():
@@ -142,7 +144,9 @@ def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4) -> nn.Modu
     convs = [m for m in shrunk.modules() if isinstance(m, nn.modules.conv._ConvNd)]
     if any(bool(module_zero_filters(c).any()) for c in convs):
         if example_inputs is None:
-            raise ValueError("shrink: conv filters are removed; pass example_inputs (one batch) to follow their channels")
+            raise ValueError(
+                "shrink: conv filters are removed; pass example_inputs (one batch) to follow their channels"
+            )
         shrunk = shrink_filters(shrunk, example_inputs)
     if example_inputs is not None:
         expected, got = _eval_output(model, example_inputs), _eval_output(shrunk, example_inputs)
@@ -153,3 +157,20 @@ def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4) -> nn.Modu
                 "does not keep its units independent. Please report it with the model's class"
             )
     return shrunk
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of ``model``, tied ones counted once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def shrink_record(dense: nn.Module, pruned: nn.Module, shrunk: nn.Module, structure: str) -> dict:
+    """What a structured soup's ``sparsity.json`` and card say of it: the units removed (measured on the pruned
+    model) and the parameters of the smaller model against the dense one."""
+    return {
+        "structure": structure,
+        "units": unit_report(pruned, structure),
+        "parameters": parameter_count(shrunk),
+        "dense_parameters": parameter_count(dense),
+        "parameter_ratio": parameter_count(shrunk) / max(parameter_count(dense), 1),
+    }

@@ -138,14 +138,18 @@ _FFNS: list[tuple[Callable[[nn.Module], bool], tuple[str, ...], str, str | None]
     (lambda m: type(m).__name__ == "T5DenseGatedActDense", ("wi_0", "wi_1"), "wo", "d_ff"),
     (lambda m: type(m).__name__ == "GPT2MLP", ("c_fc",), "c_proj", "n_inner"),
     (  # LLaMA, Mistral, Qwen2, Gemma ...: down(act(gate(x)) * up(x))
-        lambda m: type(m).__name__.endswith("MLP") and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")),
+        lambda m: (
+            type(m).__name__.endswith("MLP") and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
+        ),
         ("gate_proj", "up_proj"),
         "down_proj",
         "intermediate_size",
     ),
     (  # BERT, RoBERTa, ViT ...: a layer with ``intermediate.dense`` and ``output.dense``
-        lambda m: type(getattr(m, "intermediate", None)).__name__.endswith("Intermediate")
-        and type(getattr(m, "output", None)).__name__.endswith("Output"),
+        lambda m: (
+            type(getattr(m, "intermediate", None)).__name__.endswith("Intermediate")
+            and type(getattr(m, "output", None)).__name__.endswith("Output")
+        ),
         ("intermediate.dense",),
         "output.dense",
         "intermediate_size",
@@ -251,7 +255,9 @@ def _kv_group_heads(model, names) -> list[UnitGroup]:
         hd, n_kv = module.head_dim, config.num_key_value_heads
         rep = config.num_attention_heads // n_kv
         prefix = f"{module_name}." if module_name else ""
-        members = _attention_members(prefix, ("q_proj",), "o_proj", names, model, rep * hd, (("k_proj", hd), ("v_proj", hd)))
+        members = _attention_members(
+            prefix, ("q_proj",), "o_proj", names, model, rep * hd, (("k_proj", hd), ("v_proj", hd))
+        )
         fields = {"num_attention_heads": rep, "num_key_value_heads": 1}
         groups.append(UnitGroup("heads", module_name, n_kv, tuple(members), fields))
     return groups
