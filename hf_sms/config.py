@@ -59,14 +59,14 @@ class SparseSoupConfig(TrainingArguments):
         metadata={
             "help": "Which weights fall together: 'unstructured' (default), 'filters', 'neurons', 'heads', 'n:m' "
             "(2:4), or units joined by '+' ('neurons+heads'). For units target_sparsity is the fraction of units "
-            "removed per layer, "
-            "and the final soup is saved as a plain smaller model (hf_sms.shrink)."
+            "removed per layer, and the final soup is saved as a plain smaller model (hf_sms.shrink)."
         },
     )
-    criterion: str = field(
-        default="magnitude",
+    criterion: str | None = field(
+        default=None,
         metadata={
-            "help": "What a weight is worth: a name in hf_sms.registry.CRITERIA (magnitude, l1, l2, random, wanda)."
+            "help": "What a weight is worth: a name in hf_sms.registry.CRITERIA (magnitude (default), l1, l2, "
+            "random, wanda)."
         },
     )
     # Retraining

@@ -89,7 +89,7 @@ def test_a_missing_subgroup_is_reported_as_missing():
 def test_filter_pruning_without_convolutions_is_refused_before_work(tmp_path, digits):
     train, val, _ = digits
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-    with pytest.raises(ValueError, match="prunes conv layers only"):
+    with pytest.raises(ValueError, match="'filters' finds no units in Sequential: the run would train at sparsity 0"):
         SparseModelSoup(mlp, sms_config(tmp_path, allocation="filter_l2"), train, ClassificationAccuracy(), val)
     assert not (tmp_path / "run").exists()
 
