@@ -10,6 +10,7 @@ family loads without hf-sms. Conv filters go through :func:`hf_sms.pruning.struc
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 
 import torch
@@ -60,6 +61,16 @@ def _resize(layer: nn.Module) -> None:
         layer.embedding_dim = w.shape[1]
 
 
+def _set_config(model: nn.Module, field: str, value: int) -> None:
+    if field == "mlp_ratio" and hasattr(model, "_model_args"):  # timm ViT: the factory argument save_for_hf writes
+        ratio = value / model.embed_dim
+        if int(model.embed_dim * ratio) != value:  # the factory's int() must give the width back
+            ratio = math.nextafter(ratio, math.inf)
+        model._model_args = {**model._model_args, "mlp_ratio": ratio}
+    else:
+        setattr(model.config, field, value)
+
+
 def _cut(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor]) -> None:
     layers = set()
     for g, kept in zip(groups, keep):
@@ -79,9 +90,8 @@ def _cut(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor]) ->
             module = model.get_submodule(module_name)
             for attribute, per_unit in attributes.items():
                 setattr(module, attribute, n * per_unit)
-        config = getattr(model, "config", None)
         for field, per_unit in g.config.items():
-            setattr(config, field, n * per_unit)
+            _set_config(model, field, n * per_unit)
     for name in layers:
         _resize(model.get_submodule(name))
 

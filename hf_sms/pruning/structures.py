@@ -194,6 +194,8 @@ def neurons(model: nn.Module, tensors: list[PrunableTensor]) -> list[UnitGroup]:
                 continue
             members = tuple(m for p in parts for m in p)
             n = model.get_parameter(members[0].name).shape[members[0].dim]
+            if config_field is None and type(model).__name__ == "VisionTransformer":
+                config_field = "mlp_ratio"  # timm's ViT: hidden = int(embed_dim * mlp_ratio), see shrink
             if all(model.get_parameter(m.name).shape[m.dim] == n for m in members):
                 groups.append(UnitGroup("neurons", module_name, n, members, {config_field: 1} if config_field else {}))
             break

@@ -1,0 +1,284 @@
+"""Pruning as criterion x structure x allocation: masks keep whole units, every criterion is deterministic, and
+``shrink`` gives a smaller model of the same family with the same outputs, which loads without hf-sms."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_cnn, make_t5
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import hf_sms
+from hf_sms import CRITERIA, apply_masks, compute_masks, shrink
+from hf_sms.pruning.structures import removed_units, unit_groups, unit_report
+
+FAST = settings(max_examples=12, deadline=None)
+
+
+def make_gated_t5(seed: int = 0):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=64, d_model=16, d_ff=24, d_kv=4, num_heads=4, num_layers=2, num_decoder_layers=1,
+                      feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    return T5ForConditionalGeneration(config)
+
+
+def make_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, n_inner=24))
+
+
+def make_bert(seed: int = 0):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=24, max_position_embeddings=32, num_labels=3)  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def make_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def make_vit(seed: int = 0):
+    import timm
+
+    torch.manual_seed(seed)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=4, img_size=16, patch_size=8,
+                             embed_dim=16, depth=2, num_heads=2, mlp_ratio=1.5)  # fmt: skip
+
+
+def _tokens(vocab=64, **extra):
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(2, vocab, (2, 7), generator=g), **extra}
+
+
+def _seq2seq(vocab=64):
+    g = torch.Generator().manual_seed(2)
+    return _tokens(vocab, labels=torch.randint(2, vocab, (2, 5), generator=g))
+
+
+# (model, structure, example batch, the plain loader's import line or None, the config fields that shrink)
+FAMILIES = {
+    "t5": (make_t5, "neurons+heads", lambda: _seq2seq(384), "AutoModelForSeq2SeqLM", ("d_ff", "num_heads")),
+    "t5_gated": (make_gated_t5, "neurons+heads", _seq2seq, "AutoModelForSeq2SeqLM", ("d_ff", "num_heads")),
+    "gpt2": (make_gpt2, "neurons", _tokens, "AutoModelForCausalLM", ("n_inner",)),
+    "bert": (make_bert, "neurons", _tokens, "AutoModelForSequenceClassification", ("intermediate_size",)),
+    "llama": (make_llama, "neurons+heads", _tokens, "AutoModelForCausalLM", ("intermediate_size", "num_key_value_heads")),
+    "vit": (make_vit, "neurons", lambda: torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3)), None, ()),
+    "cnn": (make_cnn, "filters", lambda: torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3)), None, ()),
+}  # fmt: skip
+
+
+def _unit_state(model, group, masks):
+    """Per unit of ``group``: how many of its masked weights the masks keep, and how many it has."""
+    masked = [m for m in group.members if m.masked]
+    kept = sum(m.unit_sums(masks[m.name].long(), group.n_units) for m in masked)
+    total = sum(m.unit_sums(torch.ones_like(masks[m.name], dtype=torch.long), group.n_units) for m in masked)
+    return kept, total
+
+
+# -- masks keep whole units ---------------------------------------------------------------------------------------
+@FAST
+@given(
+    family=st.sampled_from(sorted(FAMILIES)),
+    s1=st.floats(0.0, 0.6),
+    extra=st.floats(0.0, 0.3),
+    criterion=st.sampled_from(["l2", "l1", "magnitude", "random"]),
+    seed=st.integers(0, 2**16),
+)
+def test_masks_keep_whole_units_remove_the_fraction_asked_and_only_grow(family, s1, extra, criterion, seed):
+    make, structure, *_ = FAMILIES[family]
+    model = make(seed % 3)
+    groups = unit_groups(model, structure)
+    first = compute_masks(model, s1, structure=structure, criterion=criterion, seed=seed)
+    torch.manual_seed(seed)  # new weights: the earlier units must stay removed whatever their norms now
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    second = compute_masks(model, s1 + extra, masks=first, structure=structure, criterion=criterion, seed=seed)
+    for g in groups:
+        for masks, s in ((first, s1), (second, s1 + extra)):
+            kept, total = _unit_state(model, g, masks)
+            assert bool(((kept == 0) | (kept == total)).all()), f"{g.name}: a unit is partly pruned"
+            assert int((kept == 0).sum()) == round(s * g.n_units), g.name
+        was, now = (_unit_state(model, g, m)[0] == 0 for m in (first, second))
+        assert not bool((was & ~now).any()), f"{g.name}: a removed unit came back"
+    grouped = {m.name for g in groups for m in g.members}
+    assert all(bool(m.all()) for n, m in second.items() if n not in grouped)  # the rest is not pruned
+
+
+@pytest.mark.parametrize("criterion", sorted(CRITERIA))
+def test_every_criterion_gives_the_same_masks_for_the_same_inputs(criterion):
+    model, batch = make_t5(), _seq2seq(384)
+    a, b = (compute_masks(model, 0.5, structure="neurons+heads", criterion=criterion, seed=7, example_inputs=batch)
+            for _ in range(2))  # fmt: skip
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    u = compute_masks(model, 0.6, criterion=criterion, seed=7, example_inputs=batch)  # unstructured too
+    assert all(torch.equal(u[n], m) for n, m in compute_masks(model, 0.6, criterion=criterion, seed=7,
+                                                               example_inputs=batch).items())  # fmt: skip
+
+
+def test_random_follows_its_seed_and_wanda_reads_the_inputs():
+    model, batch = make_llama(), _tokens()
+    one, two = (compute_masks(model, 0.5, structure="neurons", criterion="random", seed=s) for s in (1, 2))
+    assert any(not torch.equal(one[n], two[n]) for n in one)
+    with pytest.raises(ValueError, match="criterion='wanda' scores weights by their inputs"):
+        compute_masks(model, 0.5, criterion="wanda")
+    wanda = compute_masks(model, 0.5, criterion="wanda", example_inputs=batch)
+    magnitude = compute_masks(model, 0.5, criterion="magnitude")
+    assert any(not torch.equal(wanda[n], magnitude[n]) for n in wanda)
+
+
+# -- shrink: smaller, same outputs, plain loading ---------------------------------------------------------------------
+def _output(model, batch):
+    model.eval()
+    with torch.no_grad():
+        out = model(**batch) if isinstance(batch, dict) else model(batch)
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_shrink_gives_a_smaller_model_with_equal_outputs(family):
+    make, structure, batch_of, _, fields = FAMILIES[family]
+    model, batch = make(), batch_of()
+    apply_masks(model, compute_masks(model, 0.5, structure=structure, criterion="l2"))
+    smaller = shrink(model, batch)
+    assert type(smaller) is type(model) and {n for n, _ in smaller.named_modules()} == {
+        n for n, _ in model.named_modules()
+    }
+    params = sum(p.numel() for p in smaller.parameters())
+    assert params < sum(p.numel() for p in model.parameters())
+    torch.testing.assert_close(_output(smaller, batch), _output(model, batch), rtol=1e-4, atol=1e-5)
+    for field in fields:
+        assert getattr(smaller.config, field) < getattr(model.config, field), field
+    assert (
+        unit_report(smaller, structure)
+        == {
+            k: {"removed": 0, "units": v["units"] - v["removed"], "sparsity": 0.0}
+            for k, v in unit_report(model, structure).items()
+        }
+        or family == "cnn"
+    )
+
+
+def _fresh_interpreter(code: str) -> str:
+    """Run ``code`` in a new Python that fails if it ever imports hf_sms."""
+    guard = "import sys\nclass _No:\n    def find_spec(self, name, *a):\n        if name.split('.')[0] == 'hf_sms':\n"
+    guard += "            raise ImportError('hf_sms imported')\nsys.meta_path.insert(0, _No())\n"
+    result = subprocess.run([sys.executable, "-c", guard + code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("family", ["t5", "t5_gated", "gpt2", "bert", "llama", "vit"])
+def test_a_shrunk_checkpoint_loads_without_hf_sms(tmp_path, family):
+    make, structure, batch_of, auto, _ = FAMILIES[family]
+    model, batch = make(), batch_of()
+    apply_masks(model, compute_masks(model, 0.5, structure=structure))
+    hf_sms.save_sparse(shrink(model, batch), str(tmp_path / "small"), "dense")
+    torch.save({"batch": batch, "expected": _output(model, batch)}, tmp_path / "io.pt")
+    if auto is not None:
+        load = f"import transformers\nm = transformers.{auto}.from_pretrained({str(tmp_path / 'small')!r})"
+        call = "out = m(**io['batch']).logits"
+    else:
+        load = f"import timm\nm = timm.create_model('local-dir:{tmp_path / 'small'}', pretrained=True)"
+        call = "out = m(io['batch'])"
+    code = f"""{load}
+import torch
+io = torch.load({str(tmp_path / "io.pt")!r})
+m.eval()
+with torch.no_grad():
+    {call}
+torch.testing.assert_close(out.float(), io['expected'], rtol=1e-4, atol=1e-5)
+print(sum(p.numel() for p in m.parameters()))
+"""
+    assert int(_fresh_interpreter(code)) == sum(p.numel() for p in shrink(model, batch).parameters())
+
+
+def test_layers_of_one_config_field_keep_the_same_count(tmp_path):
+    """A layer that removed fewer units sets the count; the others keep a few removed ones (zeros: exact)."""
+    model, batch = make_gpt2(), _tokens()
+    masks = compute_masks(model, 0.5, structure="neurons")
+    first = unit_groups(model, "neurons")[0]
+    for m in first.members:  # the first FFN keeps every neuron
+        if m.masked:
+            masks[m.name] = torch.ones_like(masks[m.name])
+    apply_masks(model, masks)
+    smaller = shrink(model, batch)
+    assert smaller.config.n_inner == 24 and all(b.mlp.c_fc.nf == 24 for b in smaller.transformer.h)
+    torch.testing.assert_close(_output(smaller, batch), _output(model, batch), rtol=1e-4, atol=1e-5)
+
+
+# -- bad input, before any work ----------------------------------------------------------------------------------------
+def test_structures_that_do_not_fit_the_model_are_explained():
+    with pytest.raises(ValueError, match="'heads' finds no units in TinyCNN"):
+        compute_masks(make_cnn(), 0.5, structure="heads")
+    with pytest.raises(ValueError, match="GPT-2 computes the head size as hidden size / heads"):
+        compute_masks(make_gpt2(), 0.5, structure="heads")
+    with pytest.raises(ValueError, match="removes every one of the 2 heads"):
+        compute_masks(make_t5(), 0.8, structure="heads")
+    with pytest.raises(ValueError, match="use allocation='uniform', not 'global'"):
+        compute_masks(make_t5(), 0.5, "global", structure="neurons")
+    with pytest.raises(ValueError, match="unknown pruning structure 'rows'"):
+        compute_masks(make_t5(), 0.5, structure="rows")
+    with pytest.raises(ValueError, match="unknown pruning criterion 'taylor'"):
+        compute_masks(make_t5(), 0.5, criterion="taylor")
+    with pytest.raises(ValueError, match="joins unit structures, each once"):
+        compute_masks(make_t5(), 0.5, structure="neurons+neurons")
+    with pytest.raises(ValueError, match="'filter_l2' means structure='filters'"):
+        compute_masks(make_cnn(), 0.5, "filter_l2", structure="neurons")
+
+
+def test_n_of_m_that_fits_no_layer_or_asks_too_much_is_refused():
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(ValueError, match="2:3 sparsity prunes linear layers whose input size is a multiple of 3"):
+        compute_masks(mlp, 1 / 3, structure="2:3")
+    with pytest.raises(ValueError, match="2:4 keeps 2 of every 4 weights: its sparsity is at most 0.5, not 0.9"):
+        compute_masks(mlp, 0.9, "2:4")
+    args = hf_sms.SparseSoupConfig(output_dir="o", structure="1:32", target_sparsity=31 / 32, report_to="none")
+    from hf_sms.loop.checks import check_structure
+
+    with pytest.raises(ValueError, match="input size is a multiple of 32, and Sequential has none"):
+        check_structure(args, mlp)
+
+
+def test_the_config_resolves_and_records_what_it_prunes():
+    args = hf_sms.SparseSoupConfig(output_dir="o", structure="neurons+heads", criterion="l2", report_to="none")
+    assert args.allocation == "uniform" and args.pruning["structure"] == "neurons+heads"
+    legacy = hf_sms.SparseSoupConfig(output_dir="o", allocation="filter_l2", report_to="none")
+    assert {k: legacy.pruning[k] for k in ("allocation", "structure", "criterion")} == {
+        "allocation": "uniform", "structure": "filters", "criterion": "l2"}  # fmt: skip
+    with pytest.raises(ValueError, match="allocation='erk', structure='neurons': .*use allocation='uniform'"):
+        hf_sms.SparseSoupConfig(output_dir="o", allocation="erk", structure="neurons", report_to="none")
+
+
+def test_removed_units_reads_the_weights():
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.5, structure="neurons"))
+    for g in unit_groups(model, "neurons"):
+        assert int(removed_units(model, g).sum()) == 16
+    info = json.dumps(unit_report(model, "neurons+heads"))
+    assert '"neurons": {"removed": 32, "units": 64' in info and '"heads": {"removed": 0' in info
+
+
+def test_docs_name_every_structure_and_criterion():
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "method.md")).read()
+    for name in [*hf_sms.STRUCTURES.names(), *CRITERIA.names()]:
+        assert f"`{name}`" in text, name
