@@ -69,6 +69,10 @@ def _tokens(vocab=64, **extra):
     return {"input_ids": torch.randint(2, vocab, (2, 7), generator=g), **extra}
 
 
+def _image(size):
+    return lambda: torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(3))
+
+
 def _seq2seq(vocab=64):
     g = torch.Generator().manual_seed(2)
     return _tokens(vocab, labels=torch.randint(2, vocab, (2, 5), generator=g))
@@ -80,9 +84,9 @@ FAMILIES = {
     "t5_gated": (make_gated_t5, "neurons+heads", _seq2seq, "AutoModelForSeq2SeqLM", ("d_ff", "num_heads")),
     "gpt2": (make_gpt2, "neurons", _tokens, "AutoModelForCausalLM", ("n_inner",)),
     "bert": (make_bert, "neurons", _tokens, "AutoModelForSequenceClassification", ("intermediate_size",)),
-    "llama": (make_llama, "neurons+heads", _tokens, "AutoModelForCausalLM", ("intermediate_size", "num_key_value_heads")),
-    "vit": (make_vit, "neurons", lambda: torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3)), None, ()),
-    "cnn": (make_cnn, "filters", lambda: torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3)), None, ()),
+    "llama": (make_llama, "neurons+heads", _tokens, "AutoModelForCausalLM", ("intermediate_size", "num_attention_heads")),
+    "vit": (make_vit, "neurons", _image(16), None, ()),
+    "cnn": (make_cnn, "filters", _image(8), None, ()),
 }  # fmt: skip
 
 
