@@ -79,12 +79,12 @@ def _seq2seq(vocab=64):
 
 
 # (model, structure, example batch, the plain loader's import line or None, the config fields that shrink)
-FAMILIES = {  # noqa: E501
+FAMILIES = {
     "t5": (make_t5, "neurons+heads", lambda: _seq2seq(384), "AutoModelForSeq2SeqLM", ("d_ff", "num_heads")),
     "t5_gated": (make_gated_t5, "neurons+heads", _seq2seq, "AutoModelForSeq2SeqLM", ("d_ff", "num_heads")),
     "gpt2": (make_gpt2, "neurons", _tokens, "AutoModelForCausalLM", ("n_inner",)),
     "bert": (make_bert, "neurons", _tokens, "AutoModelForSequenceClassification", ("intermediate_size",)),
-    "llama": (make_llama, "neurons+heads", _tokens, "AutoModelForCausalLM", ("intermediate_size", "num_key_value_heads")),
+    "llama": (make_llama, "neurons+heads", _tokens, "AutoModelForCausalLM", ("intermediate_size", "num_key_value_heads")),  # noqa: E501
     "vit": (make_vit, "neurons", _image(16), None, ()),
     "cnn": (make_cnn, "filters", _image(8), None, ()),
 }  # fmt: skip
