@@ -286,3 +286,52 @@ def test_docs_name_every_structure_and_criterion():
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "method.md")).read()
     for name in [*hf_sms.STRUCTURES.names(), *CRITERIA.names()]:
         assert f"`{name}`" in text, name
+
+
+# -- SMS with structure ------------------------------------------------------------------------------------------------
+def test_sms_with_neurons_and_heads_gives_a_plain_smaller_t5(tmp_path):
+    """Prune -> SMS (2 phases, 2 replicas, uniform soup) -> soup -> shrink -> save -> load in an interpreter that
+    never imports hf_sms, outputs equal; the IMP baseline prunes the same structure."""
+    from conftest import sms_config
+    from transformers import ByT5Tokenizer
+
+    tok = ByT5Tokenizer()
+    src = tok([f"copy {i}" for i in range(40)], padding="max_length", max_length=12)
+    tgt = tok([f"{i}" for i in range(40)], padding="max_length", max_length=6)["input_ids"]
+    rows = [
+        {"input_ids": torch.tensor(s), "attention_mask": torch.tensor(a), "labels": torch.tensor(t)}
+        for s, a, t in zip(src["input_ids"], src["attention_mask"], tgt)
+    ]
+
+    @torch.no_grad()
+    def neg_loss(model, dataset):
+        model.eval()
+        return -float(model(**{k: torch.stack([r[k] for r in dataset]) for k in dataset[0]}).loss)
+
+    model = make_gated_t5()
+    model.config.vocab_size = 384
+    model.resize_token_embeddings(384)
+    args = sms_config(tmp_path, structure="neurons+heads", criterion="l2", target_sparsity=0.5, n_phases=2,
+                      learning_rate=1e-3, optim="adamw_torch", baselines=["imp"], per_device_train_batch_size=8)  # fmt: skip
+    soup, results = hf_sms.run_sms(model, args, rows[:32], neg_loss, eval_dataset=rows[32:])
+    for method in ("sms_uniform", "imp"):
+        units = [r["units"] for r in results["rows"][method]]
+        assert units[0] == {"neurons": pytest.approx(1 / 3, abs=0.05), "heads": 0.25}, method  # 1 - 0.5**0.5
+        assert units[-1] == {"neurons": 0.5, "heads": 0.5}, method
+    for g in unit_groups(soup, "neurons+heads"):  # the soup keeps whole units: half of every group is all zero
+        assert int(removed_units(soup, g).sum()) == g.n_units // 2
+    folder = tmp_path / "run" / "final_soup"
+    info = json.loads((folder / "sparsity.json").read_text())
+    shrunk = info["recipe"]["shrunk"]
+    assert info["format"] == "dense" and shrunk["saved"] == "smaller" and shrunk["parameter_ratio"] < 1
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    batch = {k: torch.stack([r[k] for r in rows[:4]]) for k in rows[0]}
+    torch.save({"batch": batch, "expected": _output(soup, batch)}, tmp_path / "io.pt")
+    out = _fresh_interpreter(f"""import torch, transformers
+m = transformers.AutoModelForSeq2SeqLM.from_pretrained({str(folder)!r}).eval()
+io = torch.load({str(tmp_path / "io.pt")!r})
+with torch.no_grad():
+    torch.testing.assert_close(m(**io['batch']).logits, io['expected'], rtol=1e-4, atol=1e-5)
+print(m.config.d_ff, m.config.num_heads)
+""")
+    assert out.split() == ["12", "2"]

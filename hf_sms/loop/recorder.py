@@ -13,6 +13,7 @@ from ..evaluation.flops import theoretical_speedup
 from ..evaluation.named import measure, metric_name
 from ..hub import card_metrics
 from ..pruning.masks import sparsity_report
+from ..pruning.structures import is_unit_structure, unit_report
 from ..results import save_results
 
 logger = logging.getLogger("hf_sms")
@@ -39,12 +40,17 @@ class Recorder:
         path: where ``results.json`` goes.
         timer: ``fn(model) -> record`` timing a model dense vs the sparse runtime (main process only), or None:
             rows then say "not measured".
+        structure: what the run prunes; with units every row also gives the fraction of each kind removed
+            (``"units"``, beside the weight ``"sparsity"``).
     """
 
-    def __init__(self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path, timer=None):
+    def __init__(
+        self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path, timer=None, structure=None
+    ):
         self.results, self.world, self.tests = results, world, tests
         self.metric_fn, self.eval_dataset, self.test_dataset = metric_fn, eval_dataset, test_dataset
         self.example, self.path, self.timer = example, path, timer
+        self.structure = structure if structure is not None and is_unit_structure(structure) else None
 
     def evaluate(self, model: nn.Module, dataset) -> float | None:
         return None if dataset is None else float(self.metric_fn(model, dataset))
@@ -52,8 +58,10 @@ class Recorder:
     def measure(self, model: nn.Module, val: float | None = None, timed: bool = False) -> dict:
         """Sparsity, FLOP speedup, the measured one (``timed``: a model that can be the run's result; else None,
         "not measured"), validation (``val`` if the phase step scored it already) and every test set."""
+        units = {k: v["sparsity"] for k, v in unit_report(model, self.structure).items()} if self.structure else {}
         return {
             "sparsity": sparsity_report(model)["sparsity"],
+            **({"units": units} if units else {}),
             "speedup": theoretical_speedup(model, self.example()),
             "measured_speedup": self.speed(model) if timed and self.timer and self.world.is_main else None,
             "val": val if val is not None else self.evaluate(model, self.eval_dataset),
@@ -101,7 +109,8 @@ class Recorder:
         if primary:  # the candidates of the trajectory reported as the final soup
             best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
             same_mask = ("sparsity", "speedup", "measured_speedup")  # the soup's: its mask is theirs
-            same = {k: self.results["rows"][f"sms_{method}"][-1][k] for k in same_mask}
+            soup_row = self.results["rows"][f"sms_{method}"][-1]
+            same = {k: soup_row[k] for k in (*same_mask, "units") if k in soup_row}
             picked = {"val": val[best], "test": test[best], "tests": {n: v[best] for n, v in tests.items()}}
             self.row("best_candidate", p, {**same, **picked}, index=best)
             mean = {"val": _mean(val), "test": _mean(test), "tests": {n: _mean(v) for n, v in tests.items()}}

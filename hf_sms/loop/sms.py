@@ -28,8 +28,9 @@ from ..methods.common import empty_step
 from ..phase import PhaseResult, PhaseSpec, phase_folder
 from ..pruning.masks import PruningStep, phase_sparsities, prune
 from ..pruning.prunable import accepts_labels
+from ..pruning.structures import is_unit_structure
 from ..registry import BASELINES, PRUNING_METHODS
-from ..runtime.speed import describe_input, measure_speedup
+from ..runtime.speed import describe_input, measure_shrunk_speedup, measure_speedup
 from ..soup.soup import soup
 from ..trainer import SparseSoupTrainer
 from .checks import check_inputs, check_model
@@ -132,6 +133,7 @@ class SparseModelSoup:
             lambda: self.example,
             self.run_dir.path(RESULTS_FILE),
             timer=self.measure_runtime if args.measure_speedup else None,
+            structure=args.pruning["structure"],
         )
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
@@ -268,8 +270,11 @@ class SparseModelSoup:
         }
 
     def measure_runtime(self, model: nn.Module) -> dict:
-        """``model`` timed dense vs the sparse runtime on one validation batch (see :func:`measure_speedup`)."""
+        """``model`` timed dense vs the sparse runtime on one validation batch (see :func:`measure_speedup`), or,
+        when units were pruned, vs the smaller model (:func:`measure_shrunk_speedup`)."""
         batch = send_to_device(self.example, next(model.parameters()).device)  # once, outside the timed calls
+        if is_unit_structure(self.args.pruning["structure"]):
+            return measure_shrunk_speedup(model, batch)
 
         def forward(m):
             forward_batch(m, batch, keep_labels=accepts_labels(m))

@@ -10,9 +10,13 @@ import copy
 from collections.abc import Mapping
 
 import torch
+from accelerate.utils import send_to_device
 from torch import nn
 
-from .convert import to_sparse_runtime
+from ..batchnorm import forward_batch
+from ..pruning.prunable import accepts_labels
+from ..pruning.shrink import parameter_count, shrink
+from .convert import time_pair, to_sparse_runtime
 from .layers import weight_bytes
 
 
@@ -60,12 +64,48 @@ def measure_speedup(
     }
 
 
+@torch.no_grad()
+def measure_shrunk_speedup(model: nn.Module, batch, *, repeats: int = 7, description: str | None = None) -> dict:
+    """Time ``model`` (pruned by units, its dense shapes) against :func:`hf_sms.shrink` of it, side by side on
+    ``batch``, in eval mode on the device ``model`` is on (where it trains): what the smaller model gives there.
+
+    Returns:
+        ``{"speedup", "dense_ms", "runtime_ms", "device", "threads", "input", "layout": "shrunk",
+        "dense_parameters", "parameters"}`` (JSON-able; ``runtime_ms`` is the smaller model's).
+    """
+    device = next(model.parameters()).device
+    dense, smaller = copy.deepcopy(model).eval(), shrink(model, batch).eval()
+    batch = send_to_device(batch, device)
+    keep = accepts_labels(model)
+    dense_ms, small_ms = time_pair(
+        lambda: forward_batch(dense, batch, keep_labels=keep),
+        lambda: forward_batch(smaller, batch, keep_labels=keep),
+        repeats,
+        device,
+    )
+    return {
+        "speedup": dense_ms / small_ms,
+        "dense_ms": dense_ms,
+        "runtime_ms": small_ms,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "input": description or describe_input(batch),
+        "layout": "shrunk",
+        "dense_parameters": parameter_count(dense),
+        "parameters": parameter_count(smaller),
+    }
+
+
 def format_measured(record: dict | None) -> str:
     """One line for a measured-speedup record, or ``"not measured"``."""
     if not record or record.get("speedup") is None:
         return f"not measured ({record['error']})" if record and record.get("error") else "not measured"
+    what = (
+        f"the smaller model has {record['parameters']:,} of {record['dense_parameters']:,} parameters"
+        if record.get("layout") == "shrunk"
+        else f"{record['sparse_layers']} layers sparse"
+    )
     return (
         f"{record['speedup']:.2f}x ({record['dense_ms']:.2f} ms dense vs {record['runtime_ms']:.2f} ms; "
-        f"{record['device']}, {record['threads']} thread(s), input {record['input']}; "
-        f"{record['sparse_layers']} layers sparse)"
+        f"{record['device']}, {record['threads']} thread(s), input {record['input']}; {what})"
     )
