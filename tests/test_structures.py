@@ -311,8 +311,17 @@ def test_sms_with_neurons_and_heads_gives_a_plain_smaller_t5(tmp_path):
     model = make_gated_t5()
     model.config.vocab_size = 384
     model.resize_token_embeddings(384)
-    args = sms_config(tmp_path, structure="neurons+heads", criterion="l2", target_sparsity=0.5, n_phases=2,
-                      learning_rate=1e-3, optim="adamw_torch", baselines=["imp"], per_device_train_batch_size=8)  # fmt: skip
+    args = sms_config(
+        tmp_path,
+        structure="neurons+heads",
+        criterion="l2",
+        target_sparsity=0.5,
+        n_phases=2,
+        learning_rate=1e-3,
+        optim="adamw_torch",
+        baselines=["imp"],
+        per_device_train_batch_size=8,
+    )
     soup, results = hf_sms.run_sms(model, args, rows[:32], neg_loss, eval_dataset=rows[32:])
     for method in ("sms_uniform", "imp"):
         units = [r["units"] for r in results["rows"][method]]
