@@ -7,7 +7,9 @@
 #
 # (a) SparseSoupTrainer vs plain Trainer seconds per step in bf16 on CUDA (target <= 1.02x), and that masks stay
 #     exact after the bf16 autocast steps; (b) the sparse runtime (csr, 2:4 semi_structured) vs dense cuBLAS on
-#     T5-small shapes; (c) a --smoke recipe run under `accelerate launch` on the GPU.
+#     T5-small shapes, and 2:4 on 4096/11008-wide layers under CUDA graphs; (c) a --smoke recipe run under
+#     `accelerate launch` on the GPU; (d) structured soups: the pruned model against hf_sms.shrink of it in bf16
+#     at batch 64 (T5-small and GPT-2 small shapes, ResNet-50).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -53,4 +55,12 @@ else
     --output_dir "$OUTDIR/smoke" --use_cpu false --bf16 true
 fi
 "$PY" -m hf_sms.cli table "$OUTDIR/smoke/results.json"
+echo "[$((SECONDS - start)) s]"
+
+echo "== (d) structured: pruned vs shrunk =="
+if [[ $DRY == 1 ]]; then
+  "$PY" benchmarks/structured.py --dry-run --batch 2
+else
+  "$PY" benchmarks/structured.py --device cuda --dtype bfloat16 --batch 64 --repeats 10
+fi
 echo "[$((SECONDS - start)) s] gpu_check done"

@@ -1,4 +1,5 @@
-"""What the sparse runtime gives: dense vs ``to_sparse_runtime(layout="auto")`` latency, side by side in one run.
+"""What the sparse runtime gives: dense vs ``to_sparse_runtime(layout="auto")`` latency, side by side in one run;
+and what structured pruning gives: the pruned model vs ``hf_sms.shrink`` of it (``--only structured``).
 
     python benchmarks/inference.py                       # everything, 1 and 2 threads (413 s on 2 CPU cores)
     python benchmarks/inference.py --threads 1 --only t5 --quick
@@ -186,7 +187,8 @@ def bench_load(sparsity, rounds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
-    parser.add_argument("--only", nargs="*", default=["t5", "vision", "load"], choices=["t5", "vision", "load"])
+    parts = ["t5", "vision", "load", "structured"]
+    parser.add_argument("--only", nargs="*", default=parts, choices=parts)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and sparsities (a check that it runs)")
     cli = parser.parse_args()
@@ -198,6 +200,10 @@ def main():
             bench_t5((0.9,) if cli.quick else (0.9, 0.95, 0.98), threads, cli.repeats, cli.quick)
         if "vision" in cli.only:
             bench_vision(threads, cli.repeats, cli.quick)
+        if "structured" in cli.only:  # whole units removed: the smaller dense model (benchmarks/structured.py)
+            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "structured.py")
+            quick = ["--quick"] if cli.quick else []
+            subprocess.run([sys.executable, script, "--threads", str(threads), "--repeats", str(cli.repeats), *quick])
     if "load" in cli.only:
         bench_load(0.9, 1 if cli.quick else 7)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -9,8 +9,10 @@ knowing them.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -111,6 +113,13 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"
+
+
+def import_submodules(package: str, path: Iterable[str]) -> None:
+    """Import every module of ``package`` (its ``__name__`` and ``__path__``), so that each file registers its
+    entries by being there: a new soup, method or baseline needs no import line elsewhere."""
+    for module in pkgutil.iter_modules(path):
+        importlib.import_module(f"{package}.{module.name}")
 
 
 # -- the tables -------------------------------------------------------------------------------------------------

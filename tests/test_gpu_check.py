@@ -14,7 +14,8 @@ def test_gpu_check_dry_run():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
-    for step in ("== (a)", "== (b)", "== (c)", "masks exact after every run", "gpu_check done"):
+    for step in ("== (a)", "== (b)", "== (c)", "== (d)", "masks exact after every run", "gpu_check done"):
         assert step in out
     assert "| 512x512 | 32 | 90% csr |" in out and "| 90% uniform, auto |" in out
     assert "final soup speedup:" in out  # the smoke run's table with its measured speedup
+    assert "| T5-small | 50% neurons+heads | forward 2x128 |" in out and "| ResNet-50 | 50% filters |" in out

@@ -91,3 +91,27 @@ def test_every_table_is_a_registry_with_one_error_message():
         assert isinstance(table, Registry) and len(table) > 0
         with pytest.raises(ValueError, match=rf"unknown {table.kind} 'nope'; choose one of \['"):
             table.get("nope")
+
+
+def test_a_new_file_in_a_registering_package_needs_no_import_line(tmp_path, monkeypatch):
+    """soup/, methods/ and baselines/ import every module they hold: adding a file is enough to register."""
+    import sys
+
+    from hf_sms.registry import Registry, import_submodules
+
+    package = tmp_path / "plugins"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    table = Registry("plugin")
+    monkeypatch.setitem(sys.modules, "plugin_table", type(sys)("plugin_table"))
+    sys.modules["plugin_table"].TABLE = table
+    for name in ("first", "second"):
+        (package / f"{name}.py").write_text(f"from plugin_table import TABLE\nTABLE.add({name!r}, object())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import plugins
+
+    import_submodules(plugins.__name__, plugins.__path__)
+    assert table.names() == ["first", "second"]
+    for pkg in ("soup", "methods", "baselines"):
+        source = (PACKAGE / pkg / "__init__.py").read_text()
+        assert "import_submodules(__name__, __path__)" in source, pkg

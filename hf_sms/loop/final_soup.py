@@ -29,7 +29,7 @@ def save_final_soup(
     """
     if not is_unit_structure(structure):
         return save_sparse(soup, directory, recipe=recipe, **kwargs)
-    smaller = shrink(soup, example)
+    smaller = shrink(soup, example, structure=structure)
     record = shrink_record(dense, soup, smaller, structure)
     if family_of_model(smaller).library == "torch":
         why = (

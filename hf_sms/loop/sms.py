@@ -273,8 +273,8 @@ class SparseModelSoup:
         """``model`` timed dense vs the sparse runtime on one validation batch (see :func:`measure_speedup`), or,
         when units were pruned, vs the smaller model (:func:`measure_shrunk_speedup`)."""
         batch = send_to_device(self.example, next(model.parameters()).device)  # once, outside the timed calls
-        if is_unit_structure(self.args.pruning["structure"]):
-            return measure_shrunk_speedup(model, batch)
+        if is_unit_structure(structure := self.args.pruning["structure"]):
+            return measure_shrunk_speedup(model, batch, structure=structure)
 
         def forward(m):
             forward_batch(m, batch, keep_labels=accepts_labels(m))

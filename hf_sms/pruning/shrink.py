@@ -19,11 +19,13 @@ from torch import nn
 from ..batchnorm import forward_batch
 from .prunable import accepts_labels, is_conv1d, unfused_attention
 from .structured import module_zero_filters, shrink_filters
-from .structures import UnitGroup, neurons, removed_units, unit_report
+from .structures import UnitGroup, neurons, removed_units, unit_groups, unit_report
 from .structures import heads as find_heads
 
 
-def _groups(model: nn.Module) -> list[UnitGroup]:
+def _groups(model: nn.Module, structure: str | None) -> list[UnitGroup]:
+    if structure is not None:  # conv filters are followed through the graph instead (shrink_filters)
+        return [g for g in unit_groups(model, structure) if g.kind != "filters"]
     try:
         attention = find_heads(model, [])
     except ValueError:  # a family that cannot say fewer heads: its heads stay
@@ -120,7 +122,7 @@ def _eval_output(model: nn.Module, example_inputs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4) -> nn.Module:
+def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4, structure: str | None = None) -> nn.Module:
     """A physically smaller copy of ``model`` without its removed units: FFN neurons, attention heads and conv
     filters whose weights are all exactly zero (pruned with ``structure="neurons"``, ``"heads"``, ``"filters"``).
 
@@ -137,6 +139,8 @@ def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4) -> nn.Modu
             (:func:`hf_sms.pruning.structured.shrink_filters`); with it the copy's eval outputs are checked
             against ``model``'s.
         rtol: the largest difference of the outputs allowed, relative to their largest magnitude.
+        structure: whose units to cut (a name in ``STRUCTURES``, e.g. one of your own); default: every built-in
+            neuron and head. All-zero conv filters are always cut.
 
     Returns:
         The smaller model, in ``model``'s training mode.
@@ -146,7 +150,7 @@ def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4) -> nn.Modu
             units are not independent: report it).
     """
     shrunk = copy.deepcopy(model)
-    groups = _groups(shrunk)
+    groups = _groups(shrunk, structure)
     _cut(shrunk, groups, _kept_units(shrunk, groups))
     config = getattr(shrunk, "config", None)
     if any("num_key_value_heads" in g.config for g in groups) and config is not None:

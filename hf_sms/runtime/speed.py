@@ -65,16 +65,19 @@ def measure_speedup(
 
 
 @torch.no_grad()
-def measure_shrunk_speedup(model: nn.Module, batch, *, repeats: int = 7, description: str | None = None) -> dict:
+def measure_shrunk_speedup(
+    model: nn.Module, batch, *, repeats: int = 7, description: str | None = None, structure: str | None = None
+) -> dict:
     """Time ``model`` (pruned by units, its dense shapes) against :func:`hf_sms.shrink` of it, side by side on
     ``batch``, in eval mode on the device ``model`` is on (where it trains): what the smaller model gives there.
+    ``structure``: whose units :func:`hf_sms.shrink` cuts (default: every built-in neuron and head, and filters).
 
     Returns:
         ``{"speedup", "dense_ms", "runtime_ms", "device", "threads", "input", "layout": "shrunk",
         "dense_parameters", "parameters"}`` (JSON-able; ``runtime_ms`` is the smaller model's).
     """
     device = next(model.parameters()).device
-    dense, smaller = copy.deepcopy(model).eval(), shrink(model, batch).eval()
+    dense, smaller = copy.deepcopy(model).eval(), shrink(model, batch, structure=structure).eval()
     batch = send_to_device(batch, device)
     keep = accepts_labels(model)
     dense_ms, small_ms = time_pair(

@@ -1,7 +1,7 @@
 """Soups: one model from m candidates. A soup method is one file that registers a :class:`SoupMethod` in
 :data:`hf_sms.registry.SOUPS` (uniform, greedy, reprune here); :func:`soup` runs any of them."""
 
-from . import greedy, mean, reprune, uniform  # noqa: F401  (each registers its soup method)
+from ..registry import import_submodules
 from .averaging import Accumulator, average_tensors
 from .greedy import greedy_select
 from .method import SoupMethod, indicator_weights
@@ -20,3 +20,5 @@ __all__ = [
     "soup",
     "uniform_soup",
 ]
+
+import_submodules(__name__, __path__)  # every file registers its entries: a new one needs no import line
