@@ -29,7 +29,12 @@ def save_final_soup(
     """
     if not is_unit_structure(structure):
         return save_sparse(soup, directory, recipe=recipe, **kwargs)
-    smaller = shrink(soup, example, structure=structure)
+    try:
+        smaller = shrink(soup, example, structure=structure)
+    except NotImplementedError as e:  # torch.fx cannot follow this model's conv channels
+        why = f"hf_sms.shrink cannot follow its channels ({str(e)[:200]})"
+        logger.warning("[hf-sms] the final soup is saved as the pruned model, not a smaller one: %s", why)
+        return save_sparse(soup, directory, recipe={**recipe, "shrunk": {"saved": "pruned", "why": why}}, **kwargs)
     record = shrink_record(dense, soup, smaller, structure)
     if family_of_model(smaller).library == "torch":
         why = (

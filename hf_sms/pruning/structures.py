@@ -88,6 +88,7 @@ class UnitGroup:
         config: ``{config field: units per count}``: how the family's config counts the units that remain
             (T5's ``d_ff`` counts neurons; LLaMA's ``num_attention_heads`` counts query heads per kv group).
         modules: ``{module name: {attribute: units per count}}`` that count them in the modules (T5's ``n_heads``).
+        layers: how many layers share the units (T5's self-attention heads span a stack), for reports.
     """
 
     kind: str
@@ -96,6 +97,7 @@ class UnitGroup:
     members: tuple[Member, ...]
     config: dict[str, int] = field(default_factory=dict)
     modules: dict[str, dict[str, int]] = field(default_factory=dict)
+    layers: int = 1
 
 
 Finder = Callable[[nn.Module, list[PrunableTensor]], list[UnitGroup]]
@@ -240,7 +242,9 @@ def _t5_heads(model, names) -> list[UnitGroup]:
                     groups.append(UnitGroup("heads", prefix[:-1], n, tuple(members), {"num_heads": 1}, modules))
         if self_members:
             name = f"{stack_name}: self-attention of every block"
-            groups.append(UnitGroup("heads", name, n, tuple(self_members), {"num_heads": 1}, self_modules))
+            groups.append(
+                UnitGroup("heads", name, n, tuple(self_members), {"num_heads": 1}, self_modules, len(self_modules))
+            )
     return groups
 
 
@@ -367,8 +371,8 @@ def unit_report(model: nn.Module, structure: str) -> dict:
     report: dict[str, dict] = {}
     for g in unit_groups(model, structure):
         entry = report.setdefault(g.kind, {"removed": 0, "units": 0})
-        entry["removed"] += int(removed_units(model, g).sum())
-        entry["units"] += g.n_units
+        entry["removed"] += int(removed_units(model, g).sum()) * g.layers
+        entry["units"] += g.n_units * g.layers
     for entry in report.values():
         entry["sparsity"] = entry["removed"] / max(entry["units"], 1)
     return report
