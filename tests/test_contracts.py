@@ -133,6 +133,18 @@ def test_every_pruning_method_runs_end_to_end(tmp_path, digits, name, monkeypatc
     assert hf_sms.sparsity_report(soup_model)["sparsity"] == pytest.approx(args.target_sparsity, abs=0.02)
 
 
+@pytest.mark.parametrize("name", hf_sms.PRUNING_METHODS.names())
+def test_every_pruning_method_keeps_whole_filters(tmp_path, digits, name):
+    """A structure reaches every pruning method: the soup has whole filters removed, the fraction asked."""
+    train, val, test = digits
+    tiny = {**hf_sms.PRUNING_METHODS.meta(name)["tiny"], "target_sparsity": 0.5}
+    args = sms_config(tmp_path, pruning_method=name, num_replicas=2, measure_speedup=False, structure="filters", **tiny)
+    soup_model, results = run_sms(DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val)
+    filters = hf_sms.sparsity_report(soup_model)["filters"]
+    assert filters["sparsity"] == pytest.approx(0.5, abs=0.01), name
+    assert results["rows"][results["final_row"]][-1]["units"] == {"filters": pytest.approx(0.5, abs=0.01)}
+
+
 @pytest.mark.parametrize("name", hf_sms.BASELINES.names())
 def test_every_baseline_runs_end_to_end(tmp_path, digits, name, monkeypatch):
     train, val, test = digits

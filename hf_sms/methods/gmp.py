@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 
 from ..phase import PhaseSpec, phase_folder
 from ..pruning.masks import apply_masks, compute_masks, masks_from_model, resolve_pruning
+from ..pruning.structures import unit_groups
 from ..registry import PRUNING_METHODS
 from ..seeding import derive_seed
 from .common import check_pruning_steps, single, sms_start_step, total_steps
@@ -88,6 +89,9 @@ def gmp_phases(total_steps: int, n: int, target: float) -> list[tuple[int, int, 
     starts = [0, *targets]
     ends = [*targets, total_steps]
     return [(a, b, targets.get(a, 0.0)) for a, b in zip(starts, ends)]
+
+
+_NAMES = ("allocation", "structure", "criterion")
 
 
 class GradualPruning(TrainerCallback):
@@ -165,7 +169,13 @@ class GradualPruning(TrainerCallback):
         allowed = sparsity_at(offset + state.global_step, total, self.n_steps, self.target)
         masks = self.trainer.masks
         pruned, numel = sum(int((~m).sum()) for m in masks.values()), sum(m.numel() for m in masks.values())
-        if pruned > round(allowed * numel) + len(masks):  # slack: per-tensor rounding of other allocations
+        # slack: the allocation rounds per tensor (one weight each) or per group of units (one unit each)
+        structure = resolve_pruning(**{k: self.pruning[k] for k in _NAMES}).structure
+        groups = [
+            g for g in unit_groups(self.trainer.model, structure) if all(m.name in masks for m in g.members if m.masked)
+        ]
+        slack = sum(max(1, sum(masks[m.name].numel() for m in g.members if m.masked) // g.n_units) for g in groups)
+        if pruned > round(allowed * numel) + (slack or len(masks)):
             raise ValueError(
                 f"the trainer starts at sparsity {pruned / numel:.4f} but the schedule is at {allowed:.4f} here; "
                 "start dense with SparseSoupTrainer(..., masks={}) (masks=None prunes to args.target_sparsity)"
