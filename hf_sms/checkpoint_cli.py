@@ -76,7 +76,19 @@ def sample_input(directory: str, batch_size: int = 1, seq_len: int = 32, image_s
     ckpt = SparseCheckpoint(directory)
     g = torch.Generator().manual_seed(0)
     config = ckpt.config or {}
-    if ckpt.library == "transformers" and "vocab_size" in config:
+    for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--image-size", image_size or 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    longest = config.get("max_position_embeddings") or config.get("n_positions")
+    if longest and seq_len > longest:
+        raise ValueError(f"--seq-len {seq_len} is longer than the model's {longest} positions; give at most {longest}")
+    main_input = _main_input(ckpt) if ckpt.library == "transformers" else None
+    if main_input not in (None, "input_ids", "pixel_values"):
+        raise ValueError(
+            f"{ckpt.architecture} takes {main_input!r}, and hf-sms speed makes token ids or images only: time it in "
+            "Python with hf_sms.runtime.measure_speedup(model, sample_input) on an input of your own"
+        )
+    if ckpt.library == "transformers" and "vocab_size" in config and main_input != "pixel_values":
         ids = torch.randint(0, config["vocab_size"], (batch_size, seq_len), generator=g)
         return {"input_ids": ids, "decoder_input_ids": ids} if config.get("is_encoder_decoder") else {"input_ids": ids}
     if ckpt.library == "torch":
@@ -89,6 +101,14 @@ def sample_input(directory: str, batch_size: int = 1, seq_len: int = 32, image_s
         size = image_size or config.get("image_size", size)
     channels = config.get("in_channels", 3)
     return torch.randn(batch_size, channels, size, size, generator=g)
+
+
+def _main_input(ckpt) -> str | None:
+    """The input a transformers architecture reads first (``input_ids``, ``pixel_values``, ``input_values`` ...)."""
+    import transformers
+
+    cls = getattr(transformers, str(ckpt.architecture), None)
+    return getattr(cls, "main_input_name", None) if isinstance(cls, type) else None
 
 
 def _hwm_mb() -> float:
@@ -124,6 +144,9 @@ def _peak_mb(directory: str, mode: str, args: argparse.Namespace) -> float | Non
 
 
 def _run_speed(args: argparse.Namespace) -> int:
+    for name in ("threads", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if args.peak_of:
         return _run_peak(args)
     torch.set_num_threads(args.threads)

@@ -350,3 +350,61 @@ def test_pretraining_splits_the_global_batch_over_the_processes(tmp_path, digits
                            report_to="none", use_cpu=True)  # fmt: skip
     with pytest.raises(ValueError, match="launch a number of processes that divides it"):
         scripts.pretrain(make_cnn(), odd, train, str(tmp_path / "dense2"))
+
+
+# -- issue 21: more hostile inputs, each refused before any work with what to do -----------------------------------
+def test_merge_weights_that_overflow_are_refused(tmp_path):
+    from conftest import make_cnn
+
+    from hf_sms import apply_masks, compute_masks, save_sparse
+    from hf_sms.cli import main
+
+    dirs = []
+    for i in range(2):
+        model = make_cnn(seed=i)
+        apply_masks(model, compute_masks(model, 0.5))
+        dirs.append(save_sparse(model, str(tmp_path / f"r{i}")))
+    for weights in (["1e308", "1e308"], ["inf", "1"], ["nan", "1"]):
+        assert main(["merge", *dirs, "--weights", *weights, "--output", str(tmp_path / "soup")]) == 2
+        assert not (tmp_path / "soup").exists()
+
+
+def test_speed_options_and_inputs_it_cannot_make_are_explained(tmp_path, capsys):
+    from conftest import make_t5
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    from hf_sms import apply_masks, compute_masks, save_sparse
+    from hf_sms.cli import main
+
+    t5 = make_t5()
+    apply_masks(t5, compute_masks(t5, 0.5))
+    folder = save_sparse(t5, str(tmp_path / "t5"))
+    for argv, message in (
+        (["--threads", "0"], "--threads must be a positive integer"),
+        (["--batch-size", "0"], "--batch-size must be a positive integer"),
+        (["--repeats", "0"], "--repeats must be a positive integer"),
+    ):
+        assert main(["speed", folder, "--no-memory", *argv]) == 2
+        assert message in capsys.readouterr().err
+    config = Wav2Vec2Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                            num_feat_extract_layers=2)  # fmt: skip
+    speech = Wav2Vec2ForCTC(config)
+    apply_masks(speech, compute_masks(speech, 0.5))
+    folder = save_sparse(speech, str(tmp_path / "speech"))
+    assert main(["speed", folder, "--no-memory"]) == 2
+    assert "takes 'input_values'" in capsys.readouterr().err
+
+
+def test_runtime_repeats_and_empty_test_sets_are_explained(digits):
+    from conftest import make_cnn
+
+    from hf_sms import to_sparse_runtime
+    from hf_sms.evaluation.named import named_tests
+
+    with pytest.raises(ValueError, match="repeats is how often each timing runs"):
+        to_sparse_runtime(make_cnn(), "auto", torch.randn(2, 3, 8, 8), repeats=0)
+    accuracy = ClassificationAccuracy()
+    for empty in ({"ood": ({}, accuracy)}, {"test": []}, []):
+        with pytest.raises(ValueError, match="is empty"):
+            named_tests(empty, accuracy)

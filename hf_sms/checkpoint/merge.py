@@ -43,8 +43,10 @@ def _check_request(inputs, output, method, format, overwrite, weights) -> SoupMe
             f"the {method!r} soup {why}: run it in Python (hf_sms.greedy_soup, hf_sms.soup.soup); hf-sms merge runs "
             f"{streaming_methods()}"
         )
-    if weights is not None and (len(weights) != len(inputs) or any(not w > 0 for w in weights)):
-        raise ValueError(f"give one positive weight per input ({len(inputs)}), got {weights}")
+    if weights is not None and (len(weights) != len(inputs) or any(not 0 < w < math.inf for w in weights)):
+        raise ValueError(f"give one positive, finite weight per input ({len(inputs)}), got {weights}")
+    if weights is not None and not 0 < sum(weights) < math.inf:  # 1e308 + 1e308 overflows to inf
+        raise ValueError(f"the weights {weights} sum past the largest float; give relative weights such as 1 1")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if len(inputs) < 2:

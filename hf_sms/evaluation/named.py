@@ -32,6 +32,7 @@ def named_tests(test_dataset, metric_fn: MetricFn) -> dict[str, tuple[object, Me
     if isinstance(test_dataset, tuple) and len(test_dataset) == 2 and _is_metric(test_dataset[1]):
         raise ValueError("test_dataset=(dataset, metric) needs a name: pass test_dataset={'test': (dataset, metric)}")
     if not isinstance(test_dataset, Mapping) or hasattr(test_dataset, "column_names"):  # a datasets.Dataset
+        _check_not_empty("test", test_dataset)
         return {"test": (test_dataset, metric_fn)}
     out = {}
     for name, entry in test_dataset.items():
@@ -39,8 +40,21 @@ def named_tests(test_dataset, metric_fn: MetricFn) -> dict[str, tuple[object, Me
             isinstance(entry, tuple) and len(entry) == 2 and (callable(entry[1]) or as_metric(entry[1]) is not entry[1])
         )
         dataset, metric = entry if is_pair else (entry, metric_fn)
+        _check_not_empty(name, dataset)
         out[str(name)] = (dataset, as_metric(metric))
     return out
+
+
+def _check_not_empty(name, dataset) -> None:
+    """An empty test set (or an empty mapping of them, e.g. corruptions) could only fail after training."""
+    try:
+        empty = len(dataset) == 0  # a mapping of data sets too; a stream has no length
+    except TypeError:
+        empty = False
+    if empty:
+        raise ValueError(
+            f"test set {name!r} is empty (no examples, or a mapping of no data sets); give data or drop it"
+        )
 
 
 def metric_name(metric: MetricFn) -> str:

@@ -239,7 +239,7 @@ def to_sparse_runtime(
     Returns:
         ``model``, with ``model.hf_sms_runtime`` (a :class:`RuntimeReport`) saying what runs where.
     """
-    device = check_request(model, layout, sample_input, min_sparsity)
+    device = check_request(model, layout, sample_input, min_sparsity, repeats)
     report = RuntimeReport(layout, str(device), torch.get_num_threads())
     model.hf_sms_runtime = report
     if layout == "dense":
@@ -269,8 +269,10 @@ def to_sparse_runtime(
     return model
 
 
-def check_request(model: nn.Module, layout: str, sample_input, min_sparsity: float) -> torch.device:
+def check_request(model: nn.Module, layout: str, sample_input, min_sparsity: float, repeats: int = 1) -> torch.device:
     """Validate a runtime request before any work; returns the model's device."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats is how often each timing runs (medians of them): an integer >= 1, got {repeats!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "auto" and sample_input is None:
