@@ -53,7 +53,7 @@ def make_model(seed: int) -> LlamaForSequenceClassification:
 def pretrain(model, train, epochs: float, lr: float, seed: int):
     with tempfile.TemporaryDirectory() as scratch:
         args = TrainingArguments(output_dir=scratch, num_train_epochs=epochs, per_device_train_batch_size=64,
-                                 learning_rate=lr, lr_scheduler_type="linear", warmup_ratio=0.05, weight_decay=0.01,
+                                 learning_rate=lr, lr_scheduler_type="linear", warmup_steps=0.05, weight_decay=0.01,
                                  seed=seed, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
                                  logging_steps=100)  # fmt: skip
         Trainer(model, args, train_dataset=train).train()
