@@ -128,3 +128,38 @@ def test_killed_run_resumes_to_the_same_soup(sequential, tmp_path, nproc, marker
     assert all((out / p).stat().st_mtime_ns == t for p, t in mtimes.items()), "a finished replica was retrained"
     assert not list(out.rglob("*.tmp")) and not list(out.rglob(".hf_sms-*")), "a temporary file was left behind"
     assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
+
+
+_METRIC_SCRIPT = """
+import datasets
+import evaluate
+
+
+class Top1(evaluate.Metric):
+    def _info(self):
+        features = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
+        return evaluate.MetricInfo(description="top-1", citation="", inputs_description="", features=features)
+
+    def _compute(self, predictions, references):
+        return {"accuracy": sum(int(p == r) for p, r in zip(predictions, references)) / len(references)}
+"""
+
+
+def test_evaluation_is_shared_by_two_and_three_processes_with_identical_values(tmp_path):
+    """Accuracy, the mean over corrupted sets, mean IoU, BLEU (generate) and an evaluate module: each process reads
+    its share of the batches, nothing twice, and every process gets the one-process value to the last digit."""
+    (tmp_path / "top1.py").write_text(_METRIC_SCRIPT)
+    runs = {}
+    for n in (1, 2, 3):
+        out = tmp_path / f"n{n}"
+        out.mkdir()
+        _run(_cmd(n, "eval_shards.py", out, tmp_path / "top1.py"))
+        runs[n] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+    (one,) = runs[1]
+    assert one["values"]["plain"] == 144.0  # the digits validation split's size, computed by the main process
+    assert 20 < one["values"]["bleu"] < 90 and 0 < one["values"]["miou"] < 100
+    for n in (2, 3):
+        assert all(r["values"] == one["values"] for r in runs[n]), (n, [r["values"] for r in runs[n]])
+        reads = [r["reads"] for r in runs[n]]
+        assert sum(reads) == one["reads"]  # no example read twice
+        assert max(reads) <= one["reads"] / n + 2 * 32 + 16 + 4 + 4  # at most a batch more than a fair share, per set

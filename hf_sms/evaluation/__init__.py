@@ -1,10 +1,11 @@
 """Evaluation: metrics (top-1 accuracy with the prediction ensemble, BLEU, mean IoU), named test sets, subgroup
-recall, corrupted test sets (``hf_sms.evaluation.corruptions``, the ``ood`` extra), the replicas' diversity, and
-the FLOP count."""
+recall, corrupted test sets (``hf_sms.evaluation.corruptions``, the ``ood`` extra), the replicas' diversity, the
+FLOP count, and evaluation shared by a run's processes (``sharded``)."""
 
 from .flops import theoretical_speedup
 from .metrics import BleuMetric, ClassificationAccuracy, MeanIoU, MetricFn, predict_proba
 from .named import MeanOverSets, measure, metric_name, named_tests
+from .sharded import evaluate, is_batch_metric
 from .subgroups import SubgroupRecall
 
 __all__ = [
@@ -14,6 +15,8 @@ __all__ = [
     "MeanOverSets",
     "MetricFn",
     "SubgroupRecall",
+    "evaluate",
+    "is_batch_metric",
     "measure",
     "metric_name",
     "named_tests",

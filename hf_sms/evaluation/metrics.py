@@ -1,7 +1,9 @@
 """Metrics the SMS loop scores models with: top-1 accuracy (with the prediction ensemble), BLEU, mean IoU, and any
 ``evaluate`` module (:class:`EvaluateMetric`).
 
-A metric is ``metric(model, dataset) -> float``, higher is better. The built-in ones read their data through a
+A metric is ``metric(model, dataset) -> float``, higher is better. The built-in ones are batch metrics
+(:mod:`hf_sms.evaluation.sharded`): exact statistics per batch, combined, so a run's processes share the work and
+get one process's value to the last digit. They read their data through a
 ``DataLoader`` with ``loader_kwargs`` (workers, pinned memory), which the loop fills from the run's config
 (``dataloader_num_workers``, ``dataloader_pin_memory``) unless set: at ImageNet scale every phase evaluates m
 candidates, soups and baselines on 50k images.
@@ -9,8 +11,7 @@ candidates, soups and baselines on 50k images.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,19 +19,9 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from ..batchnorm import forward_batch
+from .sharded import batch_statistics, evaluating
 
 MetricFn = Callable[[nn.Module, object], float]
-
-
-@contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[torch.device]:
-    """Eval mode inside the block, the model's training mode restored after (also on error); yields its device."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield next(model.parameters()).device
-    finally:
-        model.train(was_training)
 
 
 def _logits(outputs) -> torch.Tensor:
@@ -78,9 +69,16 @@ class ClassificationAccuracy:
             labels = torch.cat([b["labels"] for b in loader])
         return 100.0 * float((probs.argmax(-1) == labels).float().mean())
 
+    def batch_statistics(self, model: nn.Module, batch, device) -> tuple[int, int]:
+        pred = _logits(forward_batch(model, batch, device)).argmax(-1).cpu()
+        return int((pred == batch["labels"]).sum()), int(batch["labels"].numel())
+
+    def finish(self, statistics: list[tuple[int, int]]) -> float:
+        correct, count = (sum(s[i] for s in statistics) for i in (0, 1))
+        return 100.0 * correct / count
+
     def __call__(self, model: nn.Module, dataset) -> float:
-        probs, labels = predict_proba(model, dataset, self.batch_size, self.collate_fn, self.loader_kwargs)
-        return 100.0 * float((probs.argmax(-1) == labels).float().mean())
+        return self.finish(list(batch_statistics(self, model, dataset).values()))
 
     @property
     def _collate(self):
@@ -97,24 +95,27 @@ class BleuMetric:
         self.batch_size, self.collate_fn = batch_size, collate_fn or default_data_collator
         self.loader_kwargs: dict = {}
 
-    @torch.no_grad()
-    def __call__(self, model: nn.Module, dataset) -> float:
+    def batch_statistics(self, model: nn.Module, batch, device) -> tuple[list[str], list[str]]:
+        out = model.generate(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            max_new_tokens=self.max_new_tokens,
+            num_beams=self.num_beams,
+        )
+        labels = batch["labels"].masked_fill(batch["labels"] == -100, self.tokenizer.pad_token_id)
+        hyps = self.tokenizer.batch_decode(out, skip_special_tokens=True)
+        return [h.strip() for h in hyps], [
+            r.strip() for r in self.tokenizer.batch_decode(labels, skip_special_tokens=True)
+        ]
+
+    def finish(self, statistics: list[tuple[list[str], list[str]]]) -> float:
         import sacrebleu
 
-        hyps, refs = [], []
-        loader = DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn, **self.loader_kwargs)
-        with evaluating(model) as device:
-            for batch in loader:
-                out = model.generate(
-                    input_ids=batch["input_ids"].to(device),
-                    attention_mask=batch["attention_mask"].to(device),
-                    max_new_tokens=self.max_new_tokens,
-                    num_beams=self.num_beams,
-                )
-                labels = batch["labels"].masked_fill(batch["labels"] == -100, self.tokenizer.pad_token_id)
-                hyps += self.tokenizer.batch_decode(out, skip_special_tokens=True)
-                refs += self.tokenizer.batch_decode(labels, skip_special_tokens=True)
-        return float(sacrebleu.corpus_bleu([h.strip() for h in hyps], [[r.strip() for r in refs]]).score)
+        hyps, refs = [h for s in statistics for h in s[0]], [r for s in statistics for r in s[1]]
+        return float(sacrebleu.corpus_bleu(hyps, [refs]).score)
+
+    def __call__(self, model: nn.Module, dataset) -> float:
+        return self.finish(list(batch_statistics(self, model, dataset).values()))
 
 
 class MeanIoU:
@@ -131,21 +132,22 @@ class MeanIoU:
         self.collate_fn = collate_fn or default_data_collator
         self.loader_kwargs: dict = {}
 
-    @torch.no_grad()
-    def __call__(self, model: nn.Module, dataset) -> float:
-        confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.long)
-        loader = DataLoader(dataset, self.batch_size, collate_fn=self.collate_fn, **self.loader_kwargs)
-        with evaluating(model) as device:
-            for batch in loader:
-                pred = _logits(forward_batch(model, batch, device)).argmax(1).cpu()
-                labels = batch["labels"]
-                keep = labels != self.ignore_index
-                idx = labels[keep] * self.num_classes + pred[keep]
-                confusion += torch.bincount(idx, minlength=self.num_classes**2).view(self.num_classes, -1)
+    def batch_statistics(self, model: nn.Module, batch, device) -> torch.Tensor:
+        pred = _logits(forward_batch(model, batch, device)).argmax(1).cpu()
+        labels = batch["labels"]
+        keep = labels != self.ignore_index
+        idx = labels[keep] * self.num_classes + pred[keep]
+        return torch.bincount(idx, minlength=self.num_classes**2).view(self.num_classes, -1)
+
+    def finish(self, statistics: list[torch.Tensor]) -> float:
+        confusion = torch.stack(statistics).sum(0) if statistics else torch.zeros(self.num_classes, self.num_classes)
         inter = confusion.diag().double()
         union = confusion.sum(0).double() + confusion.sum(1).double() - inter
         present = union > 0
         return 100.0 * float((inter[present] / union[present]).mean()) if present.any() else 0.0
+
+    def __call__(self, model: nn.Module, dataset) -> float:
+        return self.finish(list(batch_statistics(self, model, dataset).values()))
 
 
 class EvaluateMetric:
@@ -165,22 +167,21 @@ class EvaluateMetric:
         self.batch_size, self.collate_fn, self.loader_kwargs = batch_size, collate_fn, dict(loader_kwargs or {})
         self.name = getattr(module, "name", None) or type(module).__name__
 
-    @torch.no_grad()
-    def __call__(self, model: nn.Module, dataset) -> float:
-        loader = DataLoader(
-            dataset, self.batch_size, collate_fn=self.collate_fn or default_data_collator, **self.loader_kwargs
-        )
-        predictions, references = [], []
-        with evaluating(model) as device:
-            for batch in loader:
-                logits = _logits(forward_batch(model, batch, device))
-                predictions.append(logits.argmax(1 if logits.dim() > 2 else -1).cpu().reshape(-1))
-                references.append(batch["labels"].reshape(-1))
-        result = self.module.compute(
-            predictions=torch.cat(predictions).tolist(), references=torch.cat(references).tolist()
-        )
+    def batch_statistics(self, model: nn.Module, batch, device) -> tuple[list, list]:
+        logits = _logits(forward_batch(model, batch, device))
+        predictions = logits.argmax(1 if logits.dim() > 2 else -1).cpu().reshape(-1)
+        return predictions.tolist(), batch["labels"].reshape(-1).tolist()
+
+    def finish(self, statistics: list[tuple[list, list]]) -> float:
+        # add_batch per batch, in the order one process reads them, then one compute: the module's own reduction
+        for predictions, references in statistics:
+            self.module.add_batch(predictions=predictions, references=references)
+        result = self.module.compute()
         key = self.key or (self.name if self.name in result else next(iter(result)))
         return float(result[key])
+
+    def __call__(self, model: nn.Module, dataset) -> float:
+        return self.finish(list(batch_statistics(self, model, dataset).values()))
 
 
 def as_metric(metric):

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from .metrics import MetricFn, as_metric
+from .sharded import evaluate
 
 
 def _is_metric(obj) -> bool:
@@ -62,12 +63,16 @@ def metric_name(metric: MetricFn) -> str:
     return getattr(metric, "name", None) or getattr(metric, "__name__", None) or type(metric).__name__
 
 
-def measure(metric: MetricFn, model: nn.Module, dataset) -> tuple[float, dict | None]:
-    """``(value, details or None)`` of ``metric`` on ``dataset``, evaluating once."""
+def measure(metric: MetricFn, model: nn.Module, dataset, world=None) -> tuple[float, dict | None]:
+    """``(value, details or None)`` of ``metric`` on ``dataset``, evaluating once; with ``world`` (every process
+    calls it with the same model) the processes share the work where the metric allows (see :func:`evaluate`)."""
+    if world is not None and hasattr(metric, "sharded_details"):
+        details = metric.sharded_details(model, dataset, world)
+        return float(details["value"]), details
     if hasattr(metric, "details"):
         details = metric.details(model, dataset)
         return float(details["value"]), details
-    return float(metric(model, dataset)), None
+    return evaluate(metric, model, dataset, world), None
 
 
 class MeanOverSets:
@@ -83,7 +88,11 @@ class MeanOverSets:
         self.name = name or f"OOD {metric_name(metric)}"
 
     def details(self, model: nn.Module, datasets: Mapping) -> dict:
-        values = {key: float(self.metric(model, d)) for key, d in datasets.items()}
+        return self.sharded_details(model, datasets, None)
+
+    def sharded_details(self, model: nn.Module, datasets: Mapping, world) -> dict:
+        """:meth:`details`, each set's metric shared by ``world``'s processes where it allows."""
+        values = {key: evaluate(self.metric, model, d, world) for key, d in datasets.items()}
         out = {"value": statistics.mean(values.values()), "per_set": {_key(k): v for k, v in values.items()}}
         pairs = [k for k in values if isinstance(k, tuple) and len(k) == 2]
         if len(pairs) == len(values):

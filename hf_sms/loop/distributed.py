@@ -167,6 +167,14 @@ class ReplicaWorld:
             model.load_state_dict(received)
         return model
 
+    def all_gather(self, value) -> list:
+        """Every process's ``value``, by rank (evaluation shared by all processes, hf_sms.evaluation.sharded)."""
+        if self.size == 1:
+            return [value]
+        parts: list = [None] * self.size
+        dist.all_gather_object(parts, value)
+        return parts
+
     def gather(self, local: dict[int, object]) -> dict[int, object]:
         """Union of every group's ``{replica index: value}`` (group mains contribute)."""
         if self.size == 1:

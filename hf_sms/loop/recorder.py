@@ -11,6 +11,7 @@ from torch import nn
 from ..evaluation.diagnostics import diversity, log_diversity
 from ..evaluation.flops import theoretical_speedup
 from ..evaluation.named import measure, metric_name
+from ..evaluation.sharded import evaluate
 from ..hub import card_metrics
 from ..pruning.masks import sparsity_report
 from ..pruning.structures import is_unit_structure, unit_report
@@ -52,25 +53,29 @@ class Recorder:
         self.example, self.path, self.timer = example, path, timer
         self.structure = structure if structure is not None and is_unit_structure(structure) else None
 
-    def evaluate(self, model: nn.Module, dataset) -> float | None:
-        return None if dataset is None else float(self.metric_fn(model, dataset))
+    def evaluate(self, model: nn.Module, dataset, shared: bool = False) -> float | None:
+        """The selection metric on ``dataset``; ``shared``: every process calls this with the same model, and they
+        share the work (hf_sms.evaluation.sharded), else this process alone evaluates (a replica it owns)."""
+        return None if dataset is None else evaluate(self.metric_fn, model, dataset, self.world if shared else None)
 
-    def measure(self, model: nn.Module, val: float | None = None, timed: bool = False) -> dict:
+    def measure(self, model: nn.Module, val: float | None = None, timed: bool = False, shared: bool = False) -> dict:
         """Sparsity, FLOP speedup, the measured one (``timed``: a model that can be the run's result; else None,
-        "not measured"), validation (``val`` if the phase step scored it already) and every test set."""
+        "not measured"), validation (``val`` if the phase step scored it already) and every test set; ``shared``:
+        as in :meth:`evaluate`."""
         units = {k: v["sparsity"] for k, v in unit_report(model, self.structure).items()} if self.structure else {}
         return {
             "sparsity": sparsity_report(model)["sparsity"],
             **({"units": units} if units else {}),
             "speedup": theoretical_speedup(model, self.example()),
             "measured_speedup": self.speed(model) if timed and self.timer and self.world.is_main else None,
-            "val": val if val is not None else self.evaluate(model, self.eval_dataset),
-            **self.test_scores(model),
+            "val": val if val is not None else self.evaluate(model, self.eval_dataset, shared),
+            **self.test_scores(model, shared),
         }
 
-    def test_scores(self, model: nn.Module) -> dict:
+    def test_scores(self, model: nn.Module, shared: bool = False) -> dict:
         """``test`` (the first test set), ``tests`` (every named one) and, where a metric gives them, ``details``."""
-        measured = {name: measure(metric, model, dataset) for name, (dataset, metric) in self.tests.items()}
+        world = self.world if shared else None
+        measured = {name: measure(metric, model, dataset, world) for name, (dataset, metric) in self.tests.items()}
         out = {"test": next(iter(measured.values()))[0] if measured else None}
         out["tests"] = {name: value for name, (value, _) in measured.items()}
         details = {name: d for name, (_, d) in measured.items() if d is not None}
@@ -105,7 +110,7 @@ class Recorder:
         scores = self.world.gather({i: self.test_scores(c)["tests"] for i, c in cands.items()})
         tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
         test = next(iter(tests.values()), [None] * len(val))
-        self.row(f"sms_{method}", p, self.measure(soup, timed=True), kept=result.kept)
+        self.row(f"sms_{method}", p, self.measure(soup, timed=True, shared=True), kept=result.kept)
         if primary:  # the candidates of the trajectory reported as the final soup
             best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
             same_mask = ("sparsity", "speedup", "measured_speedup")  # the soup's: its mask is theirs

@@ -146,7 +146,7 @@ class SparseModelSoup:
         self.run_dir.open()
         try:
             self.world.barrier()  # every rank waits until the main process has checked the directory
-            self.results["dense"] = self.recorder.measure(self.pretrained)  # the paper's "unpruned" column
+            self.results["dense"] = self.recorder.measure(self.pretrained, shared=True)  # the paper's "unpruned"
             if a.pruning_method != "imp":  # pruning during training: GMP, DPF, BIMP, each +SMS
                 self.final_soup = PRUNING_METHODS.get(a.pruning_method)(self)
             else:
@@ -231,7 +231,7 @@ class SparseModelSoup:
                 template=spec.start if spec.shared else self.pretrained,
                 world=world,
                 scores=val,
-                evaluate=lambda m: self.recorder.evaluate(m, self.eval_dataset),
+                evaluate=lambda m: self.recorder.evaluate(m, self.eval_dataset, shared=True),
                 recalibrate=self.recalibrate,
                 config=self.args,
                 sparsity=spec.sparsity,

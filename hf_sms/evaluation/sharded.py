@@ -1,0 +1,93 @@
+"""Evaluation shared by the run's processes: each reads every N-th batch of a set, the metric combines exact
+statistics, and every process gets the value one process computes.
+
+A *batch metric* has ``batch_size``, ``collate_fn``, ``loader_kwargs`` and two methods:
+``batch_statistics(model, batch, device) -> stats`` (exact and picklable: counts, a confusion matrix, decoded
+strings) and ``finish([stats of every batch, in order]) -> float``. Batches are the ones a single process reads
+(same size, same order), only dealt out, so the value is the same to the last digit on any number of processes.
+A plain ``metric(model, dataset) -> float`` cannot be combined: the main process computes it and shares the value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+from transformers import default_data_collator
+
+logger = logging.getLogger(__name__)
+_NOTED: set[str] = set()
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[torch.device]:
+    """Eval mode inside the block, the model's training mode restored after (also on error); yields its device."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield next(model.parameters()).device
+    finally:
+        model.train(was_training)
+
+
+class OneProcess:
+    """The world of a single process (``ReplicaWorld`` has the same ``size``, ``rank``, ``is_main``,
+    ``all_gather``)."""
+
+    size, rank, is_main = 1, 0, True
+
+    def all_gather(self, value) -> list:
+        return [value]
+
+
+def is_batch_metric(metric) -> bool:
+    return hasattr(metric, "batch_statistics") and hasattr(metric, "finish")
+
+
+def owned_batches(n_examples: int, batch_size: int, rank: int, size: int) -> tuple[list[int], list[int]]:
+    """``(batches, example indices)`` of ``rank``: batch ``b`` (of ``batch_size`` consecutive examples) belongs to
+    rank ``b % size``, so every batch is the one a single process would read."""
+    batches = list(range(rank, math.ceil(n_examples / batch_size), size))
+    return batches, [i for b in batches for i in range(b * batch_size, min(n_examples, (b + 1) * batch_size))]
+
+
+@torch.no_grad()
+def batch_statistics(metric, model: nn.Module, dataset, rank: int = 0, size: int = 1) -> dict[int, object]:
+    """``{batch index: statistics}`` of the batches of ``dataset`` that ``rank`` of ``size`` reads."""
+    batches, indices = owned_batches(len(dataset), metric.batch_size, rank, size)
+    data = dataset if size == 1 else Subset(dataset, indices)
+    loader = DataLoader(
+        data, metric.batch_size, collate_fn=metric.collate_fn or default_data_collator, **(metric.loader_kwargs or {})
+    )
+    with evaluating(model) as device:
+        return {b: metric.batch_statistics(model, batch, device) for b, batch in zip(batches, loader)}
+
+
+def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
+    """``metric`` of ``model`` on ``dataset``, the work shared by ``world``'s processes (every process must call
+    it with the same model and data). Without ``world``, or for a metric that cannot be combined, as one process.
+    """
+    world = world or OneProcess()
+    if hasattr(metric, "evaluate_sharded"):  # a metric over metrics (MeanOverSets) shares each of its own
+        return metric.evaluate_sharded(model, dataset, world)
+    if world.size == 1:
+        return float(metric(model, dataset))
+    try:
+        shardable = is_batch_metric(metric) and len(dataset) >= 0
+    except TypeError:  # a stream has no length: no batch can be dealt out
+        shardable = False
+    if not shardable:
+        name = getattr(metric, "name", None) or type(metric).__name__
+        if world.is_main and name not in _NOTED:
+            _NOTED.add(name)
+            logger.info("[hf-sms] %s cannot be combined across processes: the main process computes it", name)
+        return world.all_gather(float(metric(model, dataset)) if world.is_main else None)[0]
+    merged: dict[int, object] = {}
+    for part in world.all_gather(batch_statistics(metric, model, dataset, world.rank, world.size)):
+        merged.update(part)
+    return float(metric.finish([merged[b] for b in sorted(merged)]))
