@@ -99,3 +99,32 @@ def test_an_evaluate_module_is_a_metric_and_metrics_read_with_the_runs_loader_se
     row = results["rows"]["sms_uniform"][-1]
     assert row["tests"]["top1"] == pytest.approx(row["tests"]["test"] / 100)  # the same accuracy, as a fraction
     assert accuracy.loader_kwargs == {"num_workers": 1, "pin_memory": False}  # the run's settings
+
+
+def test_a_batch_metric_combines_to_the_value_of_one_pass_and_a_half_defined_one_is_refused():
+    from hf_sms.evaluation import evaluate
+    from hf_sms.evaluation.metrics import as_metric
+    from hf_sms.evaluation.sharded import batch_statistics, owned_batches
+
+    assert owned_batches(10, 3, 1, 2) == ([1, 3], [3, 4, 5, 9])  # batches 1 and 3 of 0..3; the last is short
+    g = torch.Generator().manual_seed(0)
+    data = [{"input": torch.randn(4, generator=g), "labels": torch.tensor(i % 3)} for i in range(50)]
+    model = nn.Linear(4, 3)  # batch keys are forward's argument names: Linear.forward(input)
+    metric = ClassificationAccuracy(batch_size=8)
+    shards = [batch_statistics(metric, model, data, r, 3) for r in range(3)]
+    assert sorted(b for s in shards for b in s) == list(range(7))  # every batch once
+    merged = {b: v for s in shards for b, v in s.items()}
+    assert metric.finish([merged[b] for b in sorted(merged)]) == evaluate(metric, model, data) == metric(model, data)
+    with torch.no_grad():
+        expected = 100.0 * sum(int(model(r["input"]).argmax() == r["labels"]) for r in data) / 50
+    assert metric(model, data) == expected
+
+    class OnlyStatistics:
+        def batch_statistics(self, model, batch, device):
+            return 0
+
+        def __call__(self, model, dataset):
+            return 0.0
+
+    with pytest.raises(ValueError, match="defines only one of batch_statistics and finish"):
+        as_metric(OnlyStatistics())

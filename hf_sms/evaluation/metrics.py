@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from ..batchnorm import forward_batch
-from .sharded import batch_statistics, evaluating
+from .sharded import evaluate, evaluating
 
 MetricFn = Callable[[nn.Module, object], float]
 
@@ -78,7 +78,7 @@ class ClassificationAccuracy:
         return 100.0 * correct / count
 
     def __call__(self, model: nn.Module, dataset) -> float:
-        return self.finish(list(batch_statistics(self, model, dataset).values()))
+        return evaluate(self, model, dataset)  # one process; the loop passes its processes
 
     @property
     def _collate(self):
@@ -115,7 +115,7 @@ class BleuMetric:
         return float(sacrebleu.corpus_bleu(hyps, [refs]).score)
 
     def __call__(self, model: nn.Module, dataset) -> float:
-        return self.finish(list(batch_statistics(self, model, dataset).values()))
+        return evaluate(self, model, dataset)  # one process; the loop passes its processes
 
 
 class MeanIoU:
@@ -147,7 +147,7 @@ class MeanIoU:
         return 100.0 * float((inter[present] / union[present]).mean()) if present.any() else 0.0
 
     def __call__(self, model: nn.Module, dataset) -> float:
-        return self.finish(list(batch_statistics(self, model, dataset).values()))
+        return evaluate(self, model, dataset)  # one process; the loop passes its processes
 
 
 class EvaluateMetric:
@@ -181,7 +181,7 @@ class EvaluateMetric:
         return float(result[key])
 
     def __call__(self, model: nn.Module, dataset) -> float:
-        return self.finish(list(batch_statistics(self, model, dataset).values()))
+        return evaluate(self, model, dataset)  # one process; the loop passes its processes
 
 
 def as_metric(metric):
@@ -189,4 +189,10 @@ def as_metric(metric):
     # an evaluate.EvaluationModule by its interface (importing evaluate costs seconds that no other run needs)
     if not callable(metric) and hasattr(metric, "compute") and hasattr(metric, "add_batch"):
         return EvaluateMetric(metric)
+    halves = [hasattr(metric, m) for m in ("batch_statistics", "finish")]
+    if any(halves) and not all(halves):
+        raise ValueError(
+            f"{type(metric).__name__} defines only one of batch_statistics and finish: a metric a run's processes "
+            "share needs both (exact statistics per batch, and the value from all of them; docs/parallel.md)"
+        )
     return metric

@@ -59,13 +59,16 @@ def owned_batches(n_examples: int, batch_size: int, rank: int, size: int) -> tup
 @torch.no_grad()
 def batch_statistics(metric, model: nn.Module, dataset, rank: int = 0, size: int = 1) -> dict[int, object]:
     """``{batch index: statistics}`` of the batches of ``dataset`` that ``rank`` of ``size`` reads."""
-    batches, indices = owned_batches(len(dataset), metric.batch_size, rank, size)
-    data = dataset if size == 1 else Subset(dataset, indices)
+    data = dataset
+    if size > 1:  # a stream (no length) is read whole by one process: see evaluate
+        batches, indices = owned_batches(len(dataset), metric.batch_size, rank, size)
+        data = Subset(dataset, indices)
     loader = DataLoader(
         data, metric.batch_size, collate_fn=metric.collate_fn or default_data_collator, **(metric.loader_kwargs or {})
     )
     with evaluating(model) as device:
-        return {b: metric.batch_statistics(model, batch, device) for b, batch in zip(batches, loader)}
+        stats = [metric.batch_statistics(model, batch, device) for batch in loader]
+    return dict(zip(batches if size > 1 else range(len(stats)), stats))
 
 
 def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
@@ -75,19 +78,23 @@ def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
     world = world or OneProcess()
     if hasattr(metric, "evaluate_sharded"):  # a metric over metrics (MeanOverSets) shares each of its own
         return metric.evaluate_sharded(model, dataset, world)
-    if world.size == 1:
-        return float(metric(model, dataset))
     try:
-        shardable = is_batch_metric(metric) and len(dataset) >= 0
-    except TypeError:  # a stream has no length: no batch can be dealt out
-        shardable = False
-    if not shardable:
-        name = getattr(metric, "name", None) or type(metric).__name__
-        if world.is_main and name not in _NOTED:
-            _NOTED.add(name)
-            logger.info("[hf-sms] %s cannot be combined across processes: the main process computes it", name)
-        return world.all_gather(float(metric(model, dataset)) if world.is_main else None)[0]
-    merged: dict[int, object] = {}
-    for part in world.all_gather(batch_statistics(metric, model, dataset, world.rank, world.size)):
-        merged.update(part)
-    return float(metric.finish([merged[b] for b in sorted(merged)]))
+        streamed = len(dataset) < 0
+    except TypeError:  # a stream has no length: its batches cannot be dealt out
+        streamed = True
+    if is_batch_metric(metric) and not (streamed and world.size > 1):
+        merged: dict[int, object] = {}
+        for part in world.all_gather(batch_statistics(metric, model, dataset, world.rank, world.size)):
+            merged.update(part)
+        return float(metric.finish([merged[b] for b in sorted(merged)]))
+    name = getattr(metric, "name", None) or type(metric).__name__
+    if world.is_main and name not in _NOTED and world.size > 1:
+        _NOTED.add(name)
+        logger.info("[hf-sms] %s is not shared by the processes (not a batch metric, or a stream): the main process "
+                    "computes it", name)  # fmt: skip
+    compute = (
+        (lambda: evaluate(metric, model, dataset)) if is_batch_metric(metric) else (lambda: metric(model, dataset))
+    )
+    if world.size == 1:
+        return float(compute())
+    return world.all_gather(float(compute()) if world.is_main else None)[0]

@@ -5,6 +5,7 @@ model card. It writes ``results.json`` (main process) after every phase, so an i
 from __future__ import annotations
 
 import logging
+import time
 
 from torch import nn
 
@@ -51,6 +52,7 @@ class Recorder:
         self.results, self.world, self.tests = results, world, tests
         self.metric_fn, self.eval_dataset, self.test_dataset = metric_fn, eval_dataset, test_dataset
         self.example, self.path, self.timer = example, path, timer
+        self.eval_seconds = 0.0
         self.structure = structure if structure is not None and is_unit_structure(structure) else None
 
     def evaluate(self, model: nn.Module, dataset, shared: bool = False) -> float | None:
@@ -63,13 +65,18 @@ class Recorder:
         "not measured"), validation (``val`` if the phase step scored it already) and every test set; ``shared``:
         as in :meth:`evaluate`."""
         units = {k: v["sparsity"] for k, v in unit_report(model, self.structure).items()} if self.structure else {}
+        start = time.perf_counter()
+        scores = {
+            "val": val if val is not None else self.evaluate(model, self.eval_dataset, shared),
+            **self.test_scores(model, shared),
+        }
+        self.eval_seconds = time.perf_counter() - start  # the phase record's evaluation time (replica_scaling.py)
         return {
             "sparsity": sparsity_report(model)["sparsity"],
             **({"units": units} if units else {}),
             "speedup": theoretical_speedup(model, self.example()),
             "measured_speedup": self.speed(model) if timed and self.timer and self.world.is_main else None,
-            "val": val if val is not None else self.evaluate(model, self.eval_dataset, shared),
-            **self.test_scores(model, shared),
+            **scores,
         }
 
     def test_scores(self, model: nn.Module, shared: bool = False) -> dict:
@@ -130,6 +137,7 @@ class Recorder:
             "pairwise_l2": self.world.pairwise_l2(cands, len(val), numel),
             **diversity(self.metric_fn, self.world, cands, val, self.eval_dataset, self.test_dataset),
             "seconds": round(result.seconds, 3),
+            "eval_seconds": round(self.eval_seconds, 3),  # the soup's validation and test sets
         }
         self.results["sms"].append(diag)
         if self.world.is_main and primary:
