@@ -19,7 +19,9 @@ from .checkpoint import (
     merge_checkpoints,
     streaming_methods,
 )
-from .runtime.speed import format_measured, measure_speedup
+from .checkpoint.folder import read_sparsity
+from .pruning.shrink import dense_shaped
+from .runtime.speed import format_measured, measure_speedup, time_smaller
 
 
 def _mb(n: int) -> str:
@@ -152,6 +154,12 @@ def _run_speed(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     x = sample_input(args.directory, args.batch_size, args.seq_len, args.image_size)
     model = load_sparse(args.directory)
+    shrunk = ((read_sparsity(args.directory) or {}).get("recipe") or {}).get("shrunk") or {}
+    if shrunk.get("saved") == "smaller" and isinstance(shrunk.get("dense_config"), dict):  # a structured soup
+        record = time_smaller(dense_shaped(model, shrunk["dense_config"]), model, x, repeats=args.repeats)
+        print(f"{args.directory}: the smaller model vs the dense shapes it was cut from (random weights)")
+        print(f"latency:  {format_measured(record)}")
+        return 0
     record = measure_speedup(model, x, layout=args.layout, repeats=args.repeats)
     print(f"{args.directory}: dense vs sparse runtime ({args.layout})")
     print(f"latency:  {format_measured(record)}")

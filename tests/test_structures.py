@@ -345,3 +345,19 @@ with torch.no_grad():
 print(m.config.d_ff, m.config.num_heads)
 """)
     assert out.split() == ["12", "2"]
+
+
+def test_hf_sms_speed_times_a_smaller_folder_against_its_dense_shapes(tmp_path, capsys):
+    from hf_sms.cli import main
+    from hf_sms.loop.final_soup import save_final_soup
+
+    dense, batch = make_t5(), _seq2seq(384)
+    pruned = make_t5()
+    apply_masks(pruned, compute_masks(pruned, 0.5, structure="neurons+heads"))
+    folder = str(tmp_path / "soup")
+    save_final_soup(pruned, folder, dense=dense, structure="neurons+heads", example=batch, recipe={})
+    info = json.loads((tmp_path / "soup" / "sparsity.json").read_text())["recipe"]["shrunk"]
+    assert info["dense_config"] == {"d_ff": 32, "num_heads": 2} and info["saved"] == "smaller"
+    assert main(["speed", folder, "--repeats", "2", "--seq-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "the smaller model vs the dense shapes" in out and "of 11,504 parameters" in out

@@ -173,6 +173,27 @@ def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4, structure:
     return shrunk
 
 
+# The transformers config fields shrink sets, which give the dense shapes back (hf-sms speed on a smaller folder).
+DENSE_FIELDS = ("d_ff", "num_heads", "n_inner", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+
+def dense_shaped(smaller: nn.Module, dense_config: dict) -> nn.Module:
+    """A randomly initialised model of ``smaller``'s class with the dense widths ``dense_config`` records (only
+    :data:`DENSE_FIELDS`, positive integers): the same shapes as the model it was shrunk from, for timing."""
+    config = copy.deepcopy(getattr(smaller, "config", None))
+    bad = {
+        k: v for k, v in dense_config.items() if k not in DENSE_FIELDS or not isinstance(v, int) or not 0 < v < 2**20
+    }
+    if config is None or bad or not dense_config:
+        raise ValueError(f"cannot rebuild the dense shapes from {dense_config!r} (fields {DENSE_FIELDS})")
+    for field, value in dense_config.items():
+        setattr(config, field, value)
+    if "num_key_value_heads" in dense_config:
+        config.head_dim = smaller.config.head_dim
+    dense = type(smaller)(config).to(next(smaller.parameters()).device)
+    return dense.eval()
+
+
 def parameter_count(model: nn.Module) -> int:
     """Parameters of ``model``, tied ones counted once."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -181,9 +202,12 @@ def parameter_count(model: nn.Module) -> int:
 def shrink_record(dense: nn.Module, pruned: nn.Module, shrunk: nn.Module, structure: str) -> dict:
     """What a structured soup's ``sparsity.json`` and card say of it: the units removed (measured on the pruned
     model) and the parameters of the smaller model against the dense one."""
+    config = getattr(dense, "config", None)
+    fields = {f for g in unit_groups(pruned, structure) for f in g.config if f in DENSE_FIELDS}
     return {
         "structure": structure,
         "units": unit_report(pruned, structure),
+        "dense_config": {f: getattr(config, f) for f in sorted(fields) if isinstance(getattr(config, f, None), int)},
         "parameters": parameter_count(shrunk),
         "dense_parameters": parameter_count(dense),
         "parameter_ratio": parameter_count(shrunk) / max(parameter_count(dense), 1),

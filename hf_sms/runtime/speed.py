@@ -76,10 +76,18 @@ def measure_shrunk_speedup(
         ``{"speedup", "dense_ms", "runtime_ms", "device", "threads", "input", "layout": "shrunk",
         "dense_parameters", "parameters"}`` (JSON-able; ``runtime_ms`` is the smaller model's).
     """
-    device = next(model.parameters()).device
-    dense, smaller = copy.deepcopy(model).eval(), shrink(model, batch, structure=structure).eval()
+    smaller = shrink(model, batch, structure=structure)
+    return time_smaller(copy.deepcopy(model), smaller, batch, repeats=repeats, description=description)
+
+
+@torch.no_grad()
+def time_smaller(dense: nn.Module, smaller: nn.Module, batch, *, repeats: int = 7, description: str | None = None):
+    """``dense`` (shapes before shrinking) against ``smaller`` on ``batch``, side by side, in eval mode on the
+    device ``dense`` is on; the record of :func:`measure_shrunk_speedup`."""
+    device = next(dense.parameters()).device
+    dense, smaller = dense.eval(), smaller.eval()
     batch = send_to_device(batch, device)
-    keep = accepts_labels(model)
+    keep = accepts_labels(dense)
     dense_ms, small_ms = time_pair(
         lambda: forward_batch(dense, batch, keep_labels=keep),
         lambda: forward_batch(smaller, batch, keep_labels=keep),
