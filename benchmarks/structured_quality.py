@@ -4,10 +4,10 @@ own, from the same pretrained dense model; one results.json per seed (``hf-sms t
     python benchmarks/structured_quality.py --seeds 0 1 2 --output-dir structured-quality
     hf-sms table structured-quality/seed-*/results.json
 
-The task (made here, offline): a sequence of 24 tokens over 40 ids, about half of them one of 4 marker ids; the
-label is the marker that occurs most often (ties: the smaller id). The model is a 2-layer LLaMA-style classifier
+The task (made here, offline): a sequence of 32 tokens over 40 ids, about a third of them one of 8 marker ids; the
+label is the marker that occurs most often (ties: the smaller id), so counts of 1-3 must be compared exactly. The model is a 2-layer LLaMA-style classifier
 from a config (hidden 64, 8 heads, FFN 256; ``LlamaForSequenceClassification``), pretrained dense with AdamW, then
-pruned in 3 phases to 75% of its FFN neurons and attention heads (``structure="neurons+heads"``, ``criterion="l2"``)
+pruned in 3 phases to 90% of its FFN neurons and attention heads (``structure="neurons+heads"``, ``criterion="l2"``)
 with m = 3 replicas per phase (seeds varied) and the uniform soup, beside IMP and IMP_3x (3x the retraining).
 """
 
@@ -27,13 +27,13 @@ from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.loop.sms import SparseModelSoup
 from hf_sms.results import format_table, save_results
 
-LENGTH, VOCAB, MARKERS = 24, 40, 4
+LENGTH, VOCAB, MARKERS, DENSITY = 32, 40, 8, 0.35
 
 
 def majority_task(n: int, seed: int) -> list[dict]:
-    """``n`` sequences and their majority marker (ids 1..4; other tokens 5..39, no padding)."""
+    """``n`` sequences and their majority marker (ids 1..8; other tokens 9..39, no padding)."""
     rng = np.random.default_rng(seed)
-    is_marker = rng.random((n, LENGTH)) < 0.5
+    is_marker = rng.random((n, LENGTH)) < DENSITY
     tokens = np.where(
         is_marker, rng.integers(1, 1 + MARKERS, (n, LENGTH)), rng.integers(1 + MARKERS, VOCAB, (n, LENGTH))
     )
@@ -70,7 +70,7 @@ def run(seed: int, output_dir: str, epochs: float, quick: bool) -> dict:
         output_dir=output_dir,
         structure="neurons+heads",
         criterion="l2",
-        target_sparsity=0.75,
+        target_sparsity=0.9,
         n_phases=3,
         num_replicas=3,
         retrain_schedule="slr",

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -17,9 +19,10 @@ from .checkpoint import (
     inspect_checkpoint,
     load_sparse,
     merge_checkpoints,
+    save_sparse,
     streaming_methods,
 )
-from .checkpoint.folder import read_sparsity
+from .checkpoint.folder import check_target, copy_companion_files, read_sparsity
 from .pruning.shrink import dense_shaped
 from .runtime.speed import format_measured, measure_speedup, time_smaller
 
@@ -70,6 +73,33 @@ def _run_inspect(args: argparse.Namespace) -> int:
     report = inspect_checkpoint(args.directory)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    """Re-save a checkpoint folder in another format: ``dense`` gives a plain copy that loads without hf-sms."""
+    if os.path.abspath(args.output) == os.path.abspath(args.directory):
+        raise ValueError("--output must be a new folder, not the input itself (the input is never changed)")
+    check_target(args.output, "replace" if args.overwrite else "new", "pass --overwrite")
+    info = read_sparsity(args.directory) or {}
+    model = load_sparse(args.directory)  # plain torch models need a template: load_sparse says so
+    with tempfile.TemporaryDirectory() as scratch:  # the input's tokenizer and processor files come along
+        copy_companion_files(args.directory, scratch)
+        processor = _Companions(scratch) if os.listdir(scratch) else None
+        save_sparse(model, args.output, args.format, recipe=info.get("recipe"), metrics=info.get("metrics"),
+                    processing_class=processor)  # fmt: skip
+    print(f"{args.output}: {args.format} copy of {args.directory}")
+    return 0
+
+
+class _Companions:
+    """Files to copy beside a saved model, as a processing class saves itself (``save_pretrained(folder)``)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def save_pretrained(self, target: str) -> None:
+        for name in os.listdir(self.folder):
+            shutil.copyfile(os.path.join(self.folder, name), os.path.join(target, name))
 
 
 def sample_input(directory: str, batch_size: int = 1, seq_len: int = 32, image_size: int | None = None):
@@ -186,7 +216,7 @@ def _guarded(run):
 
 
 def add_parsers(subparsers) -> None:
-    """Add the ``merge``, ``inspect`` and ``speed`` subcommands to an ``argparse`` subparsers object."""
+    """Add the ``merge``, ``convert``, ``inspect`` and ``speed`` subcommands to an ``argparse`` subparsers object."""
     p = subparsers.add_parser(
         "merge",
         help="average checkpoint folders into a soup, streaming tensor by tensor",
@@ -202,6 +232,16 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--format", default="bitmask", choices=FORMATS, help="output format (default: bitmask)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.set_defaults(func=_guarded(_run_merge))
+
+    c = subparsers.add_parser(
+        "convert",
+        help="re-save a checkpoint folder in another format (dense: a plain copy that loads without hf-sms)",
+    )
+    c.add_argument("directory", metavar="DIR")
+    c.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (not the input)")
+    c.add_argument("--format", default="dense", choices=FORMATS, help="output format (default: dense)")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    c.set_defaults(func=_guarded(_run_convert))
 
     q = subparsers.add_parser("inspect", help="format, size, measured sparsity and recipe of a checkpoint folder")
     q.add_argument("directory", metavar="DIR")

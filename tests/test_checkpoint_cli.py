@@ -226,3 +226,35 @@ def test_inspect_text_and_json(tmp_path, capsys):
     plain_report = json.loads(capsys.readouterr().out)
     assert plain_report["sparsity"] == pytest.approx(report["sparsity"]) and plain_report["sparsity_json"] == "missing"
     assert main(["inspect", str(tmp_path / "missing")]) == 2
+
+
+def test_every_folder_carries_its_card_and_convert_gives_a_copy_that_needs_no_hf_sms(tmp_path):
+    import subprocess
+    import sys
+
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.5))
+    folder = save_sparse(model, str(tmp_path / "soup"))
+    card = (tmp_path / "soup" / "README.md").read_text()
+    assert "**Loading needs hf-sms**" in card and "hf-sms convert DIR --output DENSE_DIR --format dense" in card
+    assert card.index("Loading needs hf-sms") < card.index("## Sparsity")  # in its first lines
+    (tmp_path / "soup" / "tokenizer_config.json").write_text("{}")
+    assert main(["convert", folder, "--output", str(tmp_path / "plain")]) == 0
+    assert "**No hf-sms needed**" in (tmp_path / "plain" / "README.md").read_text()
+    assert (tmp_path / "plain" / "tokenizer_config.json").is_file()
+    assert main(["convert", folder, "--output", str(tmp_path / "plain")]) == 2  # not over a folder without asking
+    code = (
+        "import sys, transformers\n"
+        f"m = transformers.T5ForConditionalGeneration.from_pretrained({str(tmp_path / 'plain')!r})\n"
+        "assert 'hf_sms' not in sys.modules\nprint(sum(int((p == 0).sum()) for p in m.parameters()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) > 0  # the pruned weights, as zeros
+    # a card the user wrote is never replaced by a later save into the folder
+    (tmp_path / "soup" / "README.md").write_text("# mine\n")
+    save_sparse(model, folder)
+    assert (tmp_path / "soup" / "README.md").read_text() == "# mine\n"
+    dirs = _save_all(_replicas(make_t5, m=2), tmp_path, ["bitmask"] * 2)
+    assert main(["merge", *dirs, "--output", str(tmp_path / "merged")]) == 0
+    assert "**Loading needs hf-sms**" in (tmp_path / "merged" / "README.md").read_text()

@@ -87,7 +87,8 @@ def _checkpoint_with_trainer_files(folder, seed=0):
 def test_merge_copies_only_published_files(tmp_path):
     a, b = (_checkpoint_with_trainer_files(tmp_path / n) for n in ("r0", "r1"))
     merge_checkpoints([a, b], str(tmp_path / "soup"))
-    assert sorted(os.listdir(tmp_path / "soup")) == ["model.safetensors", "sparsity.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(tmp_path / "soup")) == [
+        "README.md", "model.safetensors", "sparsity.json", "tokenizer_config.json"]  # fmt: skip
     assert _files_holding(tmp_path / "soup", TOKEN) == []
     assert json.loads((tmp_path / "soup" / "sparsity.json").read_text())["recipe"]["merged_from"] == ["r0", "r1"]
 
@@ -197,10 +198,13 @@ def test_push_writes_nothing_through_a_link_planted_in_the_folder(tmp_path):
     info["recipe"] = {"note\nimport os": "x\nimport os; os.system('echo pwned')\n# [link](https://evil) <script>"}
     info["mask_hash"] = "`\n```\nimport os"
     (tmp_path / "soup" / "sparsity.json").write_text(json.dumps(info))
+    before = {n: (tmp_path / "soup" / n).read_bytes() for n in os.listdir(folder) if not n.startswith(("README.md.",
+              ".README", "README.md~"))}  # fmt: skip
     with fake_hub() as sent:
         push_to_hub(folder, "me/r", token=TOKEN)
     assert victim.read_text() == "untouched\n"
-    assert not os.path.exists(os.path.join(folder, "README.md"))  # the folder itself is not written to
+    after = {n: (tmp_path / "soup" / n).read_bytes() for n in before}
+    assert after == before and len(os.listdir(folder)) == len(before) + 3  # the folder itself is not written to
     card = sent["files"]["README.md"].decode()
     assert not any(line.startswith(("import os", "```\nimport")) for line in card.splitlines())
     assert "<script>" not in card and "[link](" not in card and card.count("```") % 2 == 0

@@ -335,6 +335,8 @@ def test_sms_with_neurons_and_heads_gives_a_plain_smaller_t5(tmp_path):
     shrunk = info["recipe"]["shrunk"]
     assert info["format"] == "dense" and shrunk["saved"] == "smaller" and shrunk["parameter_ratio"] < 1
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    card = (folder / "README.md").read_text()
+    assert "**No hf-sms needed**" in card and "whole units cut out" in card and "it loads with its own library" in card
     batch = {k: torch.stack([r[k] for r in rows[:4]]) for k in rows[0]}
     torch.save({"batch": batch, "expected": _output(soup, batch)}, tmp_path / "io.pt")
     out = _fresh_interpreter(f"""import torch, transformers

@@ -19,6 +19,7 @@ import torch
 from ..registry import SOUPS
 from ..soup.averaging import Accumulator
 from ..soup.method import SoupMethod
+from .card import write_card
 from .codec import decode_tensor, index_info, mask_part, restamp_index
 from .constants import FORMATS, INDEX_SUFFIX, WEIGHTS_NAME
 from .folder import atomic_folder, check_target, copy_companion_files, write_sparsity
@@ -251,4 +252,5 @@ def merge_checkpoints(
             recipe=recipe,
             aliases=ref.aliases,
         )
+        write_card(tmp, os.path.basename(os.path.normpath(output)))
     return info

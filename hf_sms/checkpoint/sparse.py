@@ -6,7 +6,8 @@ import os
 
 from torch import nn
 
-from .constants import FORMATS, INDEX_NAME, WEIGHTS_NAME
+from .card import write_card
+from .constants import CARD_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME
 from .families import family_of_model
 from .folder import atomic_folder, weight_files, write_sparsity
 from .masks import MaskStats, eligible
@@ -88,6 +89,7 @@ def save_sparse(
             metrics=metrics,
             aliases=aliases,
         )
+        write_card(tmp, os.path.basename(os.path.abspath(directory)), os.path.join(directory, CARD_NAME))
     return directory
 
 
