@@ -6,10 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import torch
 
@@ -19,10 +17,10 @@ from .checkpoint import (
     inspect_checkpoint,
     load_sparse,
     merge_checkpoints,
-    save_sparse,
     streaming_methods,
 )
-from .checkpoint.folder import check_target, copy_companion_files, read_sparsity
+from .checkpoint.folder import read_sparsity
+from .checkpoint.merge import convert_checkpoint
 from .pruning.shrink import dense_shaped
 from .runtime.speed import format_measured, measure_speedup, time_smaller
 
@@ -76,30 +74,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    """Re-save a checkpoint folder in another format: ``dense`` gives a plain copy that loads without hf-sms."""
-    if os.path.abspath(args.output) == os.path.abspath(args.directory):
-        raise ValueError("--output must be a new folder, not the input itself (the input is never changed)")
-    check_target(args.output, "replace" if args.overwrite else "new", "pass --overwrite")
-    info = read_sparsity(args.directory) or {}
-    model = load_sparse(args.directory)  # plain torch models need a template: load_sparse says so
-    with tempfile.TemporaryDirectory() as scratch:  # the input's tokenizer and processor files come along
-        copy_companion_files(args.directory, scratch)
-        processor = _Companions(scratch) if os.listdir(scratch) else None
-        save_sparse(model, args.output, args.format, recipe=info.get("recipe"), metrics=info.get("metrics"),
-                    processing_class=processor)  # fmt: skip
+    convert_checkpoint(args.directory, args.output, args.format, args.overwrite)
     print(f"{args.output}: {args.format} copy of {args.directory}")
     return 0
-
-
-class _Companions:
-    """Files to copy beside a saved model, as a processing class saves itself (``save_pretrained(folder)``)."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-
-    def save_pretrained(self, target: str) -> None:
-        for name in os.listdir(self.folder):
-            shutil.copyfile(os.path.join(self.folder, name), os.path.join(target, name))
 
 
 def sample_input(directory: str, batch_size: int = 1, seq_len: int = 32, image_size: int | None = None):

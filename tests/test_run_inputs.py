@@ -1,6 +1,7 @@
 """Bad inputs fail before any training with a message that says how to fix them, and a run folder can only
 ever hold one run (issue: redesign along the seams)."""
 
+import json
 from unittest import mock
 
 import pytest
@@ -184,3 +185,8 @@ def test_the_readme_merge_command_works_on_the_folders_a_run_writes(tmp_path, di
     expected = average_state_dicts([r.state_dict() for r in replicas])
     soup = load_sparse("soup", _net())
     assert all(torch.equal(soup.state_dict()[k], v) for k, v in expected.items())
+    convert = "hf-sms convert soup --output soup-dense --format dense"
+    assert convert in readme and main(convert.split()[1:]) == 0
+    dense = load_sparse("soup-dense", _net())
+    assert all(torch.equal(dense.state_dict()[k], v) for k, v in soup.state_dict().items())
+    assert json.loads(Path("soup-dense/sparsity.json").read_text())["format"] == "dense"

@@ -35,7 +35,7 @@ def streaming_methods() -> list[str]:
     return [n for n, m in SOUPS.items() if not m.needs_validation and m.same_mask]
 
 
-def _check_request(inputs, output, method, format, overwrite, weights) -> SoupMethod:
+def _check_request(inputs, output, method, format, overwrite, weights, minimum: int = 2) -> SoupMethod:
     """Refuse a merge that cannot be right, from its arguments and paths alone; returns the soup method."""
     spec = SOUPS.get(method)
     if spec.needs_validation or not spec.same_mask:
@@ -50,7 +50,7 @@ def _check_request(inputs, output, method, format, overwrite, weights) -> SoupMe
         raise ValueError(f"the weights {weights} sum past the largest float; give relative weights such as 1 1")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    if len(inputs) < 2:
+    if len(inputs) < minimum:
         raise ValueError("merge needs at least two checkpoint folders")
     # realpath: "a", "./a/" and a symlink to a are one folder.
     real = [os.path.realpath(d) for d in inputs]
@@ -196,6 +196,13 @@ def _merge_tensor(ckpts, name: str, weight: list[float], spec: SoupMethod, write
     writer.add(name, dense)
 
 
+def convert_checkpoint(directory: str, output: str, format: str = "dense", overwrite: bool = False) -> dict:
+    """A copy of a checkpoint folder in ``format`` (``"dense"``: the family's plain format, loads without hf-sms),
+    streamed tensor by tensor with its recipe, results and companion files; any family, plain torch models too.
+    Returns the ``sparsity.json`` written; ``directory`` is never changed."""
+    return merge_checkpoints([directory], output, "uniform", format, overwrite, _copy=True)
+
+
 def merge_checkpoints(
     inputs: list[str],
     output: str,
@@ -203,6 +210,7 @@ def merge_checkpoints(
     format: str = "bitmask",
     overwrite: bool = False,
     weights: list[float] | None = None,
+    _copy: bool = False,
 ) -> dict:
     """The soup of checkpoint folders by ``method``, streamed tensor by tensor; ``"uniform"`` equals
     :func:`hf_sms.uniform_soup`.
@@ -221,7 +229,7 @@ def merge_checkpoints(
         The ``sparsity.json`` written. Raises ``ValueError`` before writing anything if the arguments,
         architectures or masks do not allow the merge.
     """
-    spec = _check_request(inputs, output, method, format, overwrite, weights)
+    spec = _check_request(inputs, output, method, format, overwrite, weights, minimum=1 if _copy else 2)
     ckpts = [SparseCheckpoint(d) for d in inputs]
     _check_same_architecture(ckpts)
     _check_same_masks(ckpts)  # Step 1: refuse before writing anything
@@ -242,7 +250,8 @@ def merge_checkpoints(
         ref.family.write_config(tmp, format)
         recipe = dict((ref.info or {}).get("recipe") or {})
         names = [os.path.basename(os.path.normpath(d)) for d in inputs]  # never a local absolute path
-        recipe.update(m=len(ckpts), merge_method=method, merged_from=names, weights=weight)
+        if not _copy:  # a copy keeps what made the soup, and its results
+            recipe.update(m=len(ckpts), merge_method=method, merged_from=names, weights=weight)
         info = write_sparsity(
             tmp,
             format=format,
@@ -250,6 +259,7 @@ def merge_checkpoints(
             architecture=ref.architecture,
             stats=stats.summary(),
             recipe=recipe,
+            metrics=(ref.info or {}).get("metrics") if _copy else None,
             aliases=ref.aliases,
         )
         write_card(tmp, os.path.basename(os.path.normpath(output)))
