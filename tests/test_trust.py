@@ -408,3 +408,29 @@ def test_runtime_repeats_and_empty_test_sets_are_explained(digits):
     for empty in ({"ood": ({}, accuracy)}, {"test": []}, []):
         with pytest.raises(ValueError, match="is empty"):
             named_tests(empty, accuracy)
+
+
+def test_meta_templates_remote_code_and_a_half_replaced_folder_are_handled(tmp_path):
+    import os
+
+    from conftest import make_t5
+    from transformers import T5ForConditionalGeneration
+
+    from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse, to_sparse_runtime
+
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.5))
+    folder = save_sparse(model, str(tmp_path / "soup"))
+    with torch.device("meta"):
+        template = T5ForConditionalGeneration(model.config)
+    loaded = load_sparse(folder, template)  # a template built without weights gets them, ties restored
+    assert all(p.device.type == "cpu" for p in loaded.parameters()) and loaded.lm_head.weight is loaded.shared.weight
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(ValueError, match="never runs code from a checkpoint folder"):
+        load_sparse(folder, trust_remote_code=True)
+    with torch.device("meta"):
+        empty = T5ForConditionalGeneration(model.config)
+    with pytest.raises(ValueError, match="parameters on the meta device"):
+        to_sparse_runtime(empty, "csr")
+    os.replace(folder, folder + ".hf_sms-previous")  # a save killed between its two renames
+    assert torch.equal(load_sparse(folder).shared.weight, model.shared.weight)  # the old folder is put back

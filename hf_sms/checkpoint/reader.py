@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -11,9 +12,11 @@ import torch
 from .codec import DENSE, decode_positions, decode_tensor, index_info, index_mask
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
 from .families import Family, family_of_config, get_family
-from .folder import checkpoint_file, read_json, read_sparsity, weight_files
+from .folder import PREVIOUS_SUFFIX, checkpoint_file, read_json, read_sparsity, restore_previous, weight_files
 from .masks import MaskStats, eligible
 from .safetensors_io import SafetensorsFile, workers
+
+logger = logging.getLogger(__name__)
 
 
 class SparseCheckpoint:
@@ -28,6 +31,11 @@ class SparseCheckpoint:
     """
 
     def __init__(self, directory: str):
+        if not os.path.isdir(directory) and os.path.isdir(os.path.abspath(directory) + PREVIOUS_SUFFIX):
+            restore_previous(directory)  # a save killed between its two renames: the old folder goes back
+            logger.warning(
+                "[hf-sms] %s was being replaced when a save was killed: restored the previous one", directory
+            )
         if not os.path.isdir(directory):
             raise ValueError(f"{directory} is not a directory")
         self.directory = directory

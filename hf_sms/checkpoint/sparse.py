@@ -120,6 +120,12 @@ def load_sparse(
     Returns:
         The model, in eval mode. Raises ``ValueError`` if a tensor is missing, unexpected, misshapen or corrupted.
     """
+    if kwargs.get("trust_remote_code"):
+        raise ValueError(
+            "load_sparse never runs code from a checkpoint folder (trust_remote_code=True): after `import hf_sms`, "
+            "load it with transformers yourself (AutoModel.from_pretrained(dir, trust_remote_code=True)) if you trust "
+            "it, or pass model=<template> of its architecture"
+        )
     ckpt = SparseCheckpoint(directory)
     if runtime is not None:
         return load_runtime(ckpt, model, runtime, sample_input, min_sparsity, verify, **kwargs)

@@ -54,7 +54,17 @@ def load_into(model: nn.Module, state_dict: dict[str, torch.Tensor], aliases: di
             f"the checkpoint does not fit this model: unexpected tensors {unexpected[:5]}, shape mismatches {what}. "
             "Pass a template of the architecture the checkpoint was saved from."
         )
-    model.load_state_dict(state_dict, strict=False)
+    on_meta = any(t.device.type == "meta" for t in own.values())  # a template built without weights
+    model.load_state_dict(state_dict, strict=False, assign=on_meta)
+    if on_meta:
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # ties are lost on the meta device; transformers models restore theirs
+        left = [k for k, t in model.state_dict().items() if t.device.type == "meta"]
+        if left:
+            raise ValueError(
+                f"the template was on the meta device and {left[:5]} got no weights from the checkpoint: build the "
+                "template on a real device (e.g. cpu), or let the family build it (load_sparse(dir))"
+            )
     loaded = {own[k].untyped_storage().data_ptr() for k in state_dict if own[k].numel()}
     missing = [
         k for k in own if k not in state_dict and not (own[k].numel() and own[k].untyped_storage().data_ptr() in loaded)

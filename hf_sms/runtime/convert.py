@@ -239,6 +239,11 @@ def to_sparse_runtime(
     Returns:
         ``model``, with ``model.hf_sms_runtime`` (a :class:`RuntimeReport`) saying what runs where.
     """
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device (built without weights): load its weights "
+            "first, or load a checkpoint straight into the runtime with hf_sms.load_sparse(dir, runtime=...)"
+        )
     device = check_request(model, layout, sample_input, min_sparsity, repeats)
     report = RuntimeReport(layout, str(device), torch.get_num_threads())
     model.hf_sms_runtime = report
