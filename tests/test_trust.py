@@ -434,3 +434,21 @@ def test_meta_templates_remote_code_and_a_half_replaced_folder_are_handled(tmp_p
         to_sparse_runtime(empty, "csr")
     os.replace(folder, folder + ".hf_sms-previous")  # a save killed between its two renames
     assert torch.equal(load_sparse(folder).shared.weight, model.shared.weight)  # the old folder is put back
+
+
+def test_a_runtime_model_refuses_another_shape_and_a_second_conversion():
+    from conftest import make_t5
+
+    from hf_sms import apply_masks, compute_masks, to_sparse_runtime
+
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.9, "uniform"))
+    runtime = to_sparse_runtime(model, "csr")
+    state = runtime.state_dict()
+    name = "encoder.block.0.layer.0.SelfAttention.q.weight"  # a bias-less layer
+    state[name] = torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match=f"size mismatch for {name}"):
+        runtime.load_state_dict(state)
+    with pytest.raises(ValueError, match="already runs the sparse runtime"):
+        to_sparse_runtime(runtime, "csr")
+    assert runtime.hf_sms_runtime.layers  # its report is untouched

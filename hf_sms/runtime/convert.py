@@ -26,6 +26,7 @@ from .layers import (
     SparseConv2d,
     SparseEmbedding,
     SparseLinear,
+    _InferenceOnly,
     check_csr_dtype,
     check_semi_structured,
     dense_module,
@@ -239,6 +240,11 @@ def to_sparse_runtime(
     Returns:
         ``model``, with ``model.hf_sms_runtime`` (a :class:`RuntimeReport`) saying what runs where.
     """
+    if any(isinstance(m, _InferenceOnly) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__name__} already runs the sparse runtime (model.hf_sms_runtime says what runs where): "
+            "convert the pruned model itself, not the converted one"
+        )
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError(
             f"{type(model).__name__} has parameters on the meta device (built without weights): load its weights "

@@ -73,7 +73,13 @@ class _InferenceOnly(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         key = prefix + "weight"
-        if key in state_dict:
+        if key in state_dict and tuple(state_dict[key].shape) != tuple(self.weight.shape):
+            errors.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)} from "
+                f"checkpoint, the shape in current model is {tuple(self.weight.shape)}."
+            )
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        elif key in state_dict:
             dense = state_dict[key].to(self.weight.device, self.weight.dtype)
             self.weight = self._compress(dense)
             state_dict = {k: v for k, v in state_dict.items() if k != key}
