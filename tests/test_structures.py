@@ -363,3 +363,68 @@ def test_hf_sms_speed_times_a_smaller_folder_against_its_dense_shapes(tmp_path, 
     assert main(["speed", folder, "--repeats", "2", "--seq-len", "8"]) == 0
     out = capsys.readouterr().out
     assert "the smaller model vs the dense shapes" in out and "of 11,504 parameters" in out
+
+
+def _lm_rows(vocab=64, n=24, length=8, classes=None):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, vocab, (n, length), generator=g)
+    labels = None if classes is None else ids[:, 0] % classes
+    return [{"input_ids": ids[i], "labels": ids[i] if classes is None else labels[i]} for i in range(n)]
+
+
+@torch.no_grad()
+def _neg_loss(model, dataset):
+    model.eval()
+    return -float(model(**{k: torch.stack([r[k] for r in dataset]) for k in dataset[0]}).loss)
+
+
+@pytest.mark.parametrize(
+    ("family", "rows", "auto"),
+    [
+        ("gpt2", lambda: _lm_rows(), "AutoModelForCausalLM"),
+        ("llama", lambda: _lm_rows(), "AutoModelForCausalLM"),
+        ("bert", lambda: _lm_rows(classes=3), "AutoModelForSequenceClassification"),
+    ],
+)
+def test_sms_with_units_gives_a_plain_smaller_model_for_every_family(tmp_path, family, rows, auto):
+    """prune -> SMS -> soup -> shrink -> save -> load where hf_sms is never imported, outputs equal."""
+    from conftest import sms_config
+
+    make, structure, *_ = FAMILIES[family]
+    data = rows()
+    args = sms_config(tmp_path, structure=structure, target_sparsity=0.5, n_phases=1, max_steps=2,
+                      learning_rate=1e-3, optim="adamw_torch", per_device_train_batch_size=8)  # fmt: skip
+    soup, results = hf_sms.run_sms(make(), args, data[:16], _neg_loss, eval_dataset=data[16:])
+    assert set(results["rows"]["sms_uniform"][-1]["units"]) == set(structure.split("+"))
+    folder = tmp_path / "run" / "final_soup"
+    assert json.loads((folder / "sparsity.json").read_text())["recipe"]["shrunk"]["saved"] == "smaller"
+    batch = {k: torch.stack([r[k] for r in data[:4]]) for k in data[0]}
+    torch.save({"batch": batch, "expected": _output(soup, batch)}, tmp_path / "io.pt")
+    _fresh_interpreter(f"""import torch, transformers
+m = transformers.{auto}.from_pretrained({str(folder)!r}).eval()
+io = torch.load({str(tmp_path / "io.pt")!r})
+with torch.no_grad():
+    torch.testing.assert_close(m(**io['batch']).logits, io['expected'], rtol=1e-4, atol=1e-5)
+""")
+
+
+def test_sms_with_neurons_gives_a_plain_smaller_timm_vit(tmp_path):
+    from conftest import sms_config
+
+    from hf_sms.evaluation import ClassificationAccuracy
+
+    g = torch.Generator().manual_seed(6)
+    data = [{"x": torch.randn(3, 16, 16, generator=g), "labels": torch.tensor(i % 4)} for i in range(24)]
+    args = sms_config(tmp_path, structure="neurons", target_sparsity=0.5, n_phases=1, max_steps=2,
+                      per_device_train_batch_size=8)  # fmt: skip
+    soup, _ = hf_sms.run_sms(make_vit(), args, data[:16], ClassificationAccuracy(), eval_dataset=data[16:])
+    folder = tmp_path / "run" / "final_soup"
+    batch = torch.stack([r["x"] for r in data[:4]])
+    torch.save({"batch": batch, "expected": _output(soup, batch)}, tmp_path / "io.pt")
+    _fresh_interpreter(f"""import torch, timm
+m = timm.create_model('local-dir:{folder}', pretrained=True).eval()
+io = torch.load({str(tmp_path / "io.pt")!r})
+with torch.no_grad():
+    torch.testing.assert_close(m(io['batch']), io['expected'], rtol=1e-4, atol=1e-5)
+assert m.blocks[0].mlp.fc1.out_features == 12
+""")
