@@ -1,8 +1,9 @@
 """A sparse inference runtime: pruned layers computed with sparse kernels, decided per layer by measurement."""
 
-from .convert import LAYOUTS, LayerChoice, RuntimeReport, time_pair, to_sparse_runtime
+from .convert import LAYOUTS, LayerChoice, RuntimeReport, to_sparse_runtime
 from .layers import SemiStructuredLinear, SparseConv2d, SparseEmbedding, SparseLinear, weight_bytes
 from .speed import measure_speedup
+from .timing import time_pair
 
 __all__ = [
     "LAYOUTS",

@@ -10,10 +10,8 @@ both ways at the end and left dense if the runtime were slower. The decisions an
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -34,6 +32,7 @@ from .layers import (
     has_sparse_product,
     is_two_four,
 )
+from .timing import median_ms, time_pair
 
 logger = logging.getLogger("hf_sms")
 LAYOUTS = ("auto", "csr", "semi_structured", "dense")
@@ -158,32 +157,6 @@ def _run(model: nn.Module, sample_input) -> None:
         model(*sample_input)
     else:
         model(sample_input)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(workloads: list[Callable[[], object]], repeats: int, device) -> list[float]:
-    """Median milliseconds of each workload, timed side by side (interleaved, after one warm-up each)."""
-    for fn in workloads:
-        fn()
-    times: list[list[float]] = [[] for _ in workloads]
-    for _ in range(repeats):
-        for fn, out in zip(workloads, times):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            out.append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(t) for t in times]
-
-
-def time_pair(first: Callable[[], object], second: Callable[[], object], repeats: int, device) -> tuple[float, float]:
-    """Median milliseconds of two workloads timed side by side (see :func:`median_ms`)."""
-    a, b = median_ms([first, second], repeats, device)
-    return a, b
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:

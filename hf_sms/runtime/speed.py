@@ -16,8 +16,9 @@ from torch import nn
 from ..batchnorm import forward_batch
 from ..pruning.prunable import accepts_labels
 from ..pruning.shrink import parameter_count, shrink
-from .convert import time_pair, to_sparse_runtime
+from .convert import to_sparse_runtime
 from .layers import weight_bytes
+from .timing import time_pair
 
 
 def describe_input(sample) -> str:
