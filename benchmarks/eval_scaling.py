@@ -4,7 +4,7 @@ one thread each), the values checked equal.
     python benchmarks/eval_scaling.py --rounds 3
 
 Workloads: top-1 accuracy of a timm ResNet-18 on 2048 random 64-px images (batch 64), and BLEU of a small T5
-generating 24 tokens for 256 byte-level sentences (batch 32). Runs alternate 1 and 2 processes to share the
+generating 24 tokens for 1024 byte-level sentences (batch 32). Runs alternate 1 and 2 processes to share the
 machine's noise; each time is measured inside the run after a barrier, so process start-up is excluded.
 Target (issue 23): <= 0.6x on 2 processes.
 """
@@ -35,15 +35,15 @@ def worker(out: str) -> None:
     torch.manual_seed(0)
     resnet = timm.create_model("resnet18", pretrained=False, num_classes=10)
     tok = ByT5Tokenizer()
-    enc = tok([f"sentence number {i} of the test set" for i in range(256)], padding="max_length", max_length=48,
+    enc = tok([f"sentence number {i} of the test set" for i in range(1024)], padding="max_length", max_length=48,
               truncation=True, return_tensors="pt")  # fmt: skip
     pairs = [{"input_ids": enc.input_ids[i], "attention_mask": enc.attention_mask[i], "labels": enc.input_ids[i]}
-             for i in range(256)]  # fmt: skip
+             for i in range(1024)]  # fmt: skip
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=384, d_model=128, d_ff=512, num_layers=2, num_heads=4, d_kv=32,
                                              decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))  # fmt: skip
     work = {
         "accuracy, ResNet-18, 2048 images": (ClassificationAccuracy(batch_size=64), resnet, images),
-        "BLEU, T5 generate, 256 sentences": (BleuMetric(tok, max_new_tokens=24, batch_size=32), t5, pairs),
+        "BLEU, T5 generate, 1024 sentences": (BleuMetric(tok, max_new_tokens=24, batch_size=32), t5, pairs),
     }
     record = {}
     for name, (metric, model, data) in work.items():
