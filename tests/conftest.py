@@ -222,3 +222,39 @@ def fake_hub(repo_id: str = "me/r"):
     create = mock.patch("huggingface_hub.HfApi.create_repo", return_value=SimpleNamespace(repo_id=repo_id))
     with create as sent["create"], mock.patch("huggingface_hub.HfApi.create_commit", commit):
         yield sent
+
+
+def copy_task_rows(n: int = 40) -> list[dict]:
+    """A byte-level seq2seq task for tiny T5s: "copy i" -> "i" (ByT5's tokenizer needs no files)."""
+    from transformers import ByT5Tokenizer
+
+    tok = ByT5Tokenizer()
+    src = tok([f"copy {i}" for i in range(n)], padding="max_length", max_length=12)
+    tgt = tok([f"{i}" for i in range(n)], padding="max_length", max_length=6)["input_ids"]
+    return [
+        {"input_ids": torch.tensor(s), "attention_mask": torch.tensor(a), "labels": torch.tensor(t)}
+        for s, a, t in zip(src["input_ids"], src["attention_mask"], tgt)
+    ]
+
+
+@torch.no_grad()
+def neg_loss(model, dataset) -> float:
+    """A metric for models that return their loss: minus the loss on the whole dataset in one batch."""
+    model.eval()
+    return -float(model(**{k: torch.stack([r[k] for r in dataset]) for k in dataset[0]}).loss)
+
+
+# A top-1 accuracy ``evaluate`` module as a local script: evaluate.load(path) needs no download.
+TOP1_METRIC_SCRIPT = """
+import datasets
+import evaluate
+
+
+class Top1(evaluate.Metric):
+    def _info(self):
+        features = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
+        return evaluate.MetricInfo(description="top-1", citation="", inputs_description="", features=features)
+
+    def _compute(self, predictions, references):
+        return {"accuracy": sum(int(p == r) for p, r in zip(predictions, references)) / len(references)}
+"""

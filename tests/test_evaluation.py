@@ -66,30 +66,15 @@ def test_theoretical_speedup_counts_only_live_weights():
     assert theoretical_speedup(conv, torch.randn(1, 2, 5, 5)) == pytest.approx(2.0)
 
 
-_METRIC_SCRIPT = """
-import datasets
-import evaluate
-
-
-class Top1(evaluate.Metric):
-    def _info(self):
-        features = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
-        return evaluate.MetricInfo(description="top-1", citation="", inputs_description="", features=features)
-
-    def _compute(self, predictions, references):
-        return {"accuracy": sum(int(p == r) for p, r in zip(predictions, references)) / len(references)}
-"""
-
-
 def test_an_evaluate_module_is_a_metric_and_metrics_read_with_the_runs_loader_settings(tmp_path):
     import evaluate
-    from conftest import sms_config
+    from conftest import TOP1_METRIC_SCRIPT, sms_config
 
     from hf_sms import run_sms
     from hf_sms.data import load_digits_splits
     from hf_sms.demo import DigitsResNet
 
-    (tmp_path / "top1.py").write_text(_METRIC_SCRIPT)
+    (tmp_path / "top1.py").write_text(TOP1_METRIC_SCRIPT)
     module = evaluate.load(str(tmp_path / "top1.py"))  # a local script: no download
     train, val, test = load_digits_splits(seed=0)
     accuracy = ClassificationAccuracy()

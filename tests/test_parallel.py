@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import untimed
+from conftest import TOP1_METRIC_SCRIPT, untimed
 from safetensors.torch import load_file
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -130,25 +130,10 @@ def test_killed_run_resumes_to_the_same_soup(sequential, tmp_path, nproc, marker
     assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
 
 
-_METRIC_SCRIPT = """
-import datasets
-import evaluate
-
-
-class Top1(evaluate.Metric):
-    def _info(self):
-        features = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
-        return evaluate.MetricInfo(description="top-1", citation="", inputs_description="", features=features)
-
-    def _compute(self, predictions, references):
-        return {"accuracy": sum(int(p == r) for p, r in zip(predictions, references)) / len(references)}
-"""
-
-
 def test_evaluation_is_shared_by_two_and_three_processes_with_identical_values(tmp_path):
     """Accuracy, the mean over corrupted sets, mean IoU, BLEU (generate) and an evaluate module: each process reads
     its share of the batches, nothing twice, and every process gets the one-process value to the last digit."""
-    (tmp_path / "top1.py").write_text(_METRIC_SCRIPT)
+    (tmp_path / "top1.py").write_text(TOP1_METRIC_SCRIPT)
     runs = {}
     for n in (1, 2, 3):
         out = tmp_path / f"n{n}"

@@ -5,8 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import make_t5, sms_config, untimed
-from transformers import ByT5Tokenizer
+from conftest import copy_task_rows, make_t5, neg_loss, sms_config, untimed
 
 from hf_sms import SparseModelSoup, phase_sparsities, run_sms, sparsity_report
 from hf_sms.data import TensorDictDataset, load_digits_splits
@@ -122,20 +121,7 @@ def test_validation_is_split_off_train_with_a_fixed_seed(tmp_path, digits):
 
 
 def test_run_sms_on_a_tiny_t5(tmp_path):
-    tok = ByT5Tokenizer()
-    model = make_t5()
-    src = tok([f"copy {i}" for i in range(40)], padding="max_length", max_length=12)
-    tgt = tok([f"{i}" for i in range(40)], padding="max_length", max_length=6)["input_ids"]
-    rows = [
-        {"input_ids": torch.tensor(s), "attention_mask": torch.tensor(a), "labels": torch.tensor(t)}
-        for s, a, t in zip(src["input_ids"], src["attention_mask"], tgt)
-    ]
-
-    @torch.no_grad()
-    def neg_loss(model, dataset):
-        model.eval()
-        batch = {k: torch.stack([r[k] for r in dataset]) for k in dataset[0]}
-        return -float(model(**batch).loss)
+    model, rows = make_t5(), copy_task_rows()
 
     args = _args(
         tmp_path, n_phases=1, target_sparsity=0.5, learning_rate=1e-3, optim="adamw_torch", merge_methods=["greedy"]

@@ -293,22 +293,9 @@ def test_docs_name_every_structure_and_criterion():
 def test_sms_with_neurons_and_heads_gives_a_plain_smaller_t5(tmp_path):
     """Prune -> SMS (2 phases, 2 replicas, uniform soup) -> soup -> shrink -> save -> load in an interpreter that
     never imports hf_sms, outputs equal; the IMP baseline prunes the same structure."""
-    from conftest import sms_config
-    from transformers import ByT5Tokenizer
+    from conftest import copy_task_rows, neg_loss, sms_config
 
-    tok = ByT5Tokenizer()
-    src = tok([f"copy {i}" for i in range(40)], padding="max_length", max_length=12)
-    tgt = tok([f"{i}" for i in range(40)], padding="max_length", max_length=6)["input_ids"]
-    rows = [
-        {"input_ids": torch.tensor(s), "attention_mask": torch.tensor(a), "labels": torch.tensor(t)}
-        for s, a, t in zip(src["input_ids"], src["attention_mask"], tgt)
-    ]
-
-    @torch.no_grad()
-    def neg_loss(model, dataset):
-        model.eval()
-        return -float(model(**{k: torch.stack([r[k] for r in dataset]) for k in dataset[0]}).loss)
-
+    rows = copy_task_rows()
     model = make_gated_t5()
     model.config.vocab_size = 384
     model.resize_token_embeddings(384)
@@ -372,12 +359,6 @@ def _lm_rows(vocab=64, n=24, length=8, classes=None):
     return [{"input_ids": ids[i], "labels": ids[i] if classes is None else labels[i]} for i in range(n)]
 
 
-@torch.no_grad()
-def _neg_loss(model, dataset):
-    model.eval()
-    return -float(model(**{k: torch.stack([r[k] for r in dataset]) for k in dataset[0]}).loss)
-
-
 @pytest.mark.parametrize(
     ("family", "rows", "auto"),
     [
@@ -388,13 +369,13 @@ def _neg_loss(model, dataset):
 )
 def test_sms_with_units_gives_a_plain_smaller_model_for_every_family(tmp_path, family, rows, auto):
     """prune -> SMS -> soup -> shrink -> save -> load where hf_sms is never imported, outputs equal."""
-    from conftest import sms_config
+    from conftest import neg_loss, sms_config
 
     make, structure, *_ = FAMILIES[family]
     data = rows()
     args = sms_config(tmp_path, structure=structure, target_sparsity=0.5, n_phases=1, max_steps=2,
                       learning_rate=1e-3, optim="adamw_torch", per_device_train_batch_size=8)  # fmt: skip
-    soup, results = hf_sms.run_sms(make(), args, data[:16], _neg_loss, eval_dataset=data[16:])
+    soup, results = hf_sms.run_sms(make(), args, data[:16], neg_loss, eval_dataset=data[16:])
     assert set(results["rows"]["sms_uniform"][-1]["units"]) == set(structure.split("+"))
     folder = tmp_path / "run" / "final_soup"
     assert json.loads((folder / "sparsity.json").read_text())["recipe"]["shrunk"]["saved"] == "smaller"
