@@ -452,3 +452,20 @@ def test_a_runtime_model_refuses_another_shape_and_a_second_conversion():
     with pytest.raises(ValueError, match="already runs the sparse runtime"):
         to_sparse_runtime(runtime, "csr")
     assert runtime.hf_sms_runtime.layers  # its report is untouched
+
+
+def test_a_tied_lm_head_loaded_into_the_runtime_is_timed_as_a_linear_layer(tmp_path):
+    from conftest import make_t5
+
+    from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
+
+    model = make_t5()
+    apply_masks(model, compute_masks(model, 0.9, "uniform"))
+    folder = save_sparse(model, str(tmp_path / "soup"))
+    ids = torch.randint(2, 384, (1, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "decoder_input_ids": ids}
+    runtime = load_sparse(folder, runtime="auto", sample_input=batch)
+    (head,) = [c for c in runtime.hf_sms_runtime.layers if c.name == "lm_head"]
+    assert head.kind == "linear" and head.dense_ms is not None and not head.reason.startswith("memory")
+    with torch.no_grad():
+        torch.testing.assert_close(runtime(**batch).logits, model.eval()(**batch).logits, rtol=1e-4, atol=1e-4)

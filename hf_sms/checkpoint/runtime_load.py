@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 from accelerate import init_empty_weights
@@ -113,10 +112,11 @@ def load_runtime(
                     positions, values, _ = ckpt.read_sparse(key)
                     csr = csr_from_positions(*_transposed(positions, values, (shape[0], shape[1])))
                 shared[key, transposed] = csr
-            else:
-                report.layers.append(
-                    replace(next(c for c in report.layers if keys[f"{c.name}.weight"] == key), name=name)
-                )
+            else:  # a tied weight's second layer (T5's lm_head): its own decision, timed as a linear under auto
+                first = next(c for c in report.layers if keys[f"{c.name}.weight"] == key)
+                values = shared[key, transposed].values()
+                if plan(report, name, module, kind, values, first.sparsity, "csr", min_sparsity).layout == "dense":
+                    continue
             csr = shared[key, transposed]
             bias = getattr(module, "bias", None)
             if bias is not None:
