@@ -192,7 +192,13 @@ def _fresh_interpreter(code: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("family", ["t5", "t5_gated", "gpt2", "bert", "llama", "vit"])
+# the SMS tests below load the other families' final soups the same way; these extra rows run with -m slow
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "family", ["t5", *(pytest.param(f, marks=_SLOW) for f in ("t5_gated", "gpt2", "bert", "llama", "vit"))]
+)
 def test_a_shrunk_checkpoint_loads_without_hf_sms(tmp_path, family):
     make, structure, batch_of, auto, _ = FAMILIES[family]
     model, batch = make(), batch_of()
