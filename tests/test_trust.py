@@ -469,3 +469,19 @@ def test_a_tied_lm_head_loaded_into_the_runtime_is_timed_as_a_linear_layer(tmp_p
     assert head.kind == "linear" and head.dense_ms is not None and not head.reason.startswith("memory")
     with torch.no_grad():
         torch.testing.assert_close(runtime(**batch).logits, model.eval()(**batch).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_runtime_load_into_a_template_lacking_checkpoint_tensors_is_refused(tmp_path):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
+
+    config = T5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=2, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config)
+    apply_masks(model, compute_masks(model, 0.9, "uniform"))
+    folder = save_sparse(model, str(tmp_path / "soup"))
+    config.num_layers = config.num_decoder_layers = 1
+    for runtime in ("csr", None):  # the runtime path now refuses what the dense path refuses
+        with pytest.raises(ValueError, match="no place for|unexpected tensors"):
+            load_sparse(folder, T5ForConditionalGeneration(config), runtime=runtime)
+    assert load_sparse(folder, runtime="csr").hf_sms_runtime.layers  # its own architecture loads

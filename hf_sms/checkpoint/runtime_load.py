@@ -49,6 +49,12 @@ def _tensor_keys(model: nn.Module, ckpt: SparseCheckpoint) -> dict[str, str]:
                 "with other names: load it with runtime=None, or re-save it with save_sparse"
             )
         keys.update(dict.fromkeys(names, key))
+    unused = sorted(stored - set(keys.values()))
+    if unused:  # the dense path (load_into) refuses these too: a template of another architecture
+        raise ValueError(
+            f"{ckpt.directory} holds {len(unused)} tensors this model has no place for, e.g. {unused[:5]}: pass a "
+            "template of the architecture it was saved from, or none (load_sparse builds it from the folder)"
+        )
     return keys
 
 
