@@ -78,10 +78,7 @@ def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
     world = world or OneProcess()
     if hasattr(metric, "evaluate_sharded"):  # a metric over metrics (MeanOverSets) shares each of its own
         return metric.evaluate_sharded(model, dataset, world)
-    try:
-        streamed = len(dataset) < 0
-    except TypeError:  # a stream has no length: its batches cannot be dealt out
-        streamed = True
+    streamed = not hasattr(dataset, "__len__")  # a stream: its batches cannot be dealt out
     if is_batch_metric(metric) and not (streamed and world.size > 1):
         merged: dict[int, object] = {}
         for part in world.all_gather(batch_statistics(metric, model, dataset, world.rank, world.size)):

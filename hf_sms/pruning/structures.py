@@ -100,9 +100,6 @@ class UnitGroup:
     layers: int = 1
 
 
-Finder = Callable[[nn.Module, list[PrunableTensor]], list[UnitGroup]]
-
-
 # -- filters -------------------------------------------------------------------------------------------------------
 @register_structure("filters", prunes="conv")
 def filters(model: nn.Module, tensors: list[PrunableTensor]) -> list[UnitGroup]:
