@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -30,30 +31,69 @@ def forward_batch(model: nn.Module, batch, device: torch.device | None = None, k
 
 
 @torch.no_grad()
-def recalibrate_batchnorm(model: nn.Module, batches: Iterable, max_batches: int | None = None) -> nn.Module:
-    """Reset every BatchNorm's running statistics and recompute them over ``batches``.
+def batchnorm_sums(model: nn.Module, batches: Iterable) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+    """``{BatchNorm name: (sum of batch means, sum of batch variances, batches)}`` over ``batches``, in float64.
 
-    Forward passes run in train mode without gradients and with ``momentum=None``, so the statistics
-    are exact cumulative averages over the batches, not exponential ones. Models without BatchNorm
-    are returned untouched. ``batches`` should be the training data in a fixed order.
+    Forward passes run in train mode without gradients; each BatchNorm call contributes the mean and unbiased
+    variance its train-mode forward computes (read from its running statistics under ``momentum=1``). Sums of
+    several processes' batches add up to one process's over all of them.
     """
-    bns = [m for m in model.modules() if isinstance(m, _BN) and m.track_running_stats]
-    if not bns:
-        return model
-    was_training = model.training
-    momenta = [bn.momentum for bn in bns]
-    for bn in bns:
-        bn.reset_running_stats()
-        bn.momentum = None
+    bns = {name: m for name, m in model.named_modules() if isinstance(m, _BN) and m.track_running_stats}
+    sums = {name: [_zeros(bn), _zeros(bn), 0] for name, bn in bns.items()}
+
+    def add(name):
+        def hook(bn, args, output):  # added on the device: no host sync per call
+            s = sums[name]
+            s[0] += bn.running_mean.detach().to(s[0].device, torch.float64)
+            s[1] += bn.running_var.detach().to(s[1].device, torch.float64)
+            s[2] += 1
+
+        return hook
+
+    was_training, momenta = model.training, {name: bn.momentum for name, bn in bns.items()}
+    handles = [bn.register_forward_hook(add(name)) for name, bn in bns.items()]
+    for bn in bns.values():
+        bn.momentum = 1.0  # the running statistics become this batch's
     device = next(model.parameters()).device
     model.train()
     try:
-        for i, batch in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
+        for batch in batches:
             forward_batch(model, batch, device)
     finally:
-        for bn, momentum in zip(bns, momenta):
-            bn.momentum = momentum
+        for handle in handles:
+            handle.remove()
+        for name, bn in bns.items():
+            bn.momentum = momenta[name]
         model.train(was_training)
+    return {name: (s[0].cpu(), s[1].cpu(), s[2]) for name, s in sums.items()}
+
+
+def _zeros(bn: nn.Module) -> torch.Tensor:
+    device = bn.running_mean.device
+    return torch.zeros(bn.num_features, dtype=torch.float64, device=device if device.type != "mps" else "cpu")
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(model: nn.Module, batches: Iterable, max_batches: int | None = None, world=None) -> nn.Module:
+    """Reset every BatchNorm's running statistics and recompute them over ``batches``.
+
+    The statistics are exact cumulative averages over the batches (what ``momentum=None`` gives, summed in
+    float64), not exponential ones. Models without BatchNorm are returned untouched. ``batches`` should be the
+    training data in a fixed order. ``world`` (``size``, ``all_gather``): the processes that share the pass, each
+    with its own share of the batches; every one gets the statistics of all of them.
+    """
+    bns = {name: m for name, m in model.named_modules() if isinstance(m, _BN) and m.track_running_stats}
+    if not bns:
+        return model
+    sums = batchnorm_sums(model, itertools.islice(batches, max_batches))
+    if world is not None and world.size > 1:
+        parts = world.all_gather(sums)
+        sums = {name: tuple(sum(p[name][k] for p in parts) for k in range(3)) for name in sums}
+    for name, bn in bns.items():
+        total_mean, total_var, n = sums[name]
+        bn.reset_running_stats()
+        if n:
+            bn.running_mean.copy_(total_mean / n)
+            bn.running_var.copy_(total_var / n)
+            bn.num_batches_tracked.fill_(n)
     return model

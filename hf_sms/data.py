@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from .seeding import derive_seed
+
 # The validation split never depends on a run's seed (the paper's code splits with a fixed seed): a dense model
 # trained once and reused by runs of several seeds never sees any of those runs' validation examples.
 VALIDATION_SEED = 0
@@ -29,17 +31,33 @@ def split_validation(train_dataset, fraction: float, seed: int = VALIDATION_SEED
     return Subset(train_dataset, perm[n_val:]), Subset(train_dataset, perm[:n_val])
 
 
-def peek(dataset, index: int):
-    """``dataset[index]`` under fixed seeds, leaving every global random generator as it was: reading an
-    item with random augmentation neither changes the caller's randomness nor depends on it."""
+def peek(dataset, index: int, seed: int | None = None):
+    """``dataset[index]`` under fixed seeds (``index``, or one derived from ``seed`` and ``index``), leaving every
+    global random generator as it was: reading an item with random augmentation neither changes the caller's
+    randomness nor depends on it."""
+    s = index if seed is None else derive_seed(seed, index)
     state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(index), random.seed(index), np.random.seed(index)
+            torch.manual_seed(s), random.seed(s), np.random.seed(s)
             return dataset[index]
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
+
+
+class SeededItems(Dataset):
+    """``dataset`` whose item ``i`` is read under seeds derived from ``(seed, i)``: its random augmentation is the
+    same whichever process, worker or batch reads it, so a pass shared by processes equals one process's."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return peek(self.dataset, i, self.seed)
 
 
 class TensorDictDataset(Dataset):

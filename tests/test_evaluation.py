@@ -77,13 +77,17 @@ def test_an_evaluate_module_is_a_metric_and_metrics_read_with_the_runs_loader_se
     (tmp_path / "top1.py").write_text(TOP1_METRIC_SCRIPT)
     module = evaluate.load(str(tmp_path / "top1.py"))  # a local script: no download
     train, val, test = load_digits_splits(seed=0)
-    accuracy = ClassificationAccuracy()
-    args = sms_config(tmp_path, n_phases=1, max_steps=2, dataloader_num_workers=1, measure_speedup=False)
-    tests = {"test": test, "top1": (test, module)}
+    accuracy, fixed = ClassificationAccuracy(), ClassificationAccuracy(batch_size=50)
+    args = sms_config(
+        tmp_path, n_phases=1, max_steps=2, dataloader_num_workers=1, measure_speedup=False, per_device_eval_batch_size=24
+    )
+    tests = {"test": test, "top1": (test, module), "fixed": (test, fixed)}
     _, results = run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val, test_dataset=tests)
     row = results["rows"]["sms_uniform"][-1]
     assert row["tests"]["top1"] == pytest.approx(row["tests"]["test"] / 100)  # the same accuracy, as a fraction
     assert accuracy.loader_kwargs == {"num_workers": 1, "pin_memory": False}  # the run's settings
+    assert accuracy.batch_size == 24 and fixed.batch_size == 50  # the run's eval batch size where left open
+    assert row["tests"]["fixed"] == row["tests"]["test"]
 
 
 def test_a_batch_metric_combines_to_the_value_of_one_pass_and_a_half_defined_one_is_refused():

@@ -28,10 +28,14 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False) -> None:
         spec = PhaseSpec(sparsity, tracks, masks, hparams, phase_folder(name, p), soup=reprune, member="track")
         result = ctx.run_phase(spec)  # no mask broadcast: IMP runs are independent
         tracks, masks = result.candidates, result.masks
-        first = {0: ctx.recorder.measure(tracks[0], val=result.val[0])} if 0 in tracks else {}
-        ctx.recorder.row(name, p, world.gather(first)[0])
+        # track 0 on every process, which share its test sets (its owner scored validation already)
+        first = tracks[0] if world.size == 1 else copy.deepcopy(ctx.pretrained)
+        if world.size > 1:
+            local = {i: t.state_dict() for i, t in tracks.items()}
+            first.load_state_dict(world.from_owner(local, 0, ctx.pretrained.state_dict()))
+        ctx.recorder.row(name, p, ctx.recorder.measure(first, val=result.val[0], shared=True))
         if result.soup is not None:
-            ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(result.soup))
+            ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(result.soup, shared=True))
 
 
 def _needs_two(config) -> None:

@@ -4,9 +4,9 @@
 A metric is ``metric(model, dataset) -> float``, higher is better. The built-in ones are batch metrics
 (:mod:`hf_sms.evaluation.sharded`): exact statistics per batch, combined, so a run's processes share the work and
 get one process's value to the last digit. They read their data through a
-``DataLoader`` with ``loader_kwargs`` (workers, pinned memory), which the loop fills from the run's config
-(``dataloader_num_workers``, ``dataloader_pin_memory``) unless set: at ImageNet scale every phase evaluates m
-candidates, soups and baselines on 50k images.
+``DataLoader`` with ``loader_kwargs`` (workers, pinned memory) and ``batch_size``, which the loop fills from the
+run's config (``dataloader_num_workers``, ``dataloader_pin_memory``, ``per_device_eval_batch_size``) unless set: at
+ImageNet scale every phase evaluates m candidates, soups and baselines on 50k images.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class ClassificationAccuracy:
 
     name = "top-1 accuracy"
 
-    def __init__(self, batch_size: int = 256, collate_fn=None, loader_kwargs: dict | None = None):
-        self.batch_size, self.collate_fn, self.loader_kwargs = batch_size, collate_fn, dict(loader_kwargs or {})
+    def __init__(self, batch_size: int | None = None, collate_fn=None, loader_kwargs: dict | None = None):
+        self.batch_size, self.collate_fn, self.loader_kwargs = batch_size or 256, collate_fn, dict(loader_kwargs or {})
+        self.batch_size_open = batch_size is None  # a run sets its per_device_eval_batch_size
         self._last: tuple | None = None  # (dataset, labels) of the last predict: score() reads the data once
 
     def predict(self, model: nn.Module, dataset) -> torch.Tensor:
@@ -90,9 +91,12 @@ class BleuMetric:
 
     name = "BLEU"
 
-    def __init__(self, tokenizer, max_new_tokens: int = 128, num_beams: int = 1, batch_size: int = 64, collate_fn=None):
+    def __init__(
+        self, tokenizer, max_new_tokens: int = 128, num_beams: int = 1, batch_size: int | None = None, collate_fn=None
+    ):
         self.tokenizer, self.max_new_tokens, self.num_beams = tokenizer, max_new_tokens, num_beams
-        self.batch_size, self.collate_fn = batch_size, collate_fn or default_data_collator
+        self.batch_size, self.collate_fn = batch_size or 64, collate_fn or default_data_collator
+        self.batch_size_open = batch_size is None  # a run generates in batches of its per_device_eval_batch_size
         self.loader_kwargs: dict = {}
 
     def batch_statistics(self, model: nn.Module, batch, device) -> tuple[list[str], list[str]]:
@@ -127,8 +131,9 @@ class MeanIoU:
 
     name = "mIoU"
 
-    def __init__(self, num_classes: int, batch_size: int = 16, ignore_index: int = -100, collate_fn=None):
-        self.num_classes, self.batch_size, self.ignore_index = num_classes, batch_size, ignore_index
+    def __init__(self, num_classes: int, batch_size: int | None = None, ignore_index: int = -100, collate_fn=None):
+        self.num_classes, self.batch_size, self.ignore_index = num_classes, batch_size or 16, ignore_index
+        self.batch_size_open = batch_size is None  # a run sets its per_device_eval_batch_size
         self.collate_fn = collate_fn or default_data_collator
         self.loader_kwargs: dict = {}
 
@@ -159,12 +164,16 @@ class EvaluateMetric:
     Args:
         module: the ``evaluate`` module.
         key: which entry of ``compute``'s dict (default: the module's name, else the only entry).
-        batch_size, collate_fn, loader_kwargs: how the data is read.
+        batch_size, collate_fn, loader_kwargs: how the data is read (batch size: a run's
+            ``per_device_eval_batch_size`` unless given, else 256).
     """
 
-    def __init__(self, module, key: str | None = None, batch_size: int = 256, collate_fn=None, loader_kwargs=None):
+    def __init__(
+        self, module, key: str | None = None, batch_size: int | None = None, collate_fn=None, loader_kwargs=None
+    ):
         self.module, self.key = module, key
-        self.batch_size, self.collate_fn, self.loader_kwargs = batch_size, collate_fn, dict(loader_kwargs or {})
+        self.batch_size, self.collate_fn, self.loader_kwargs = batch_size or 256, collate_fn, dict(loader_kwargs or {})
+        self.batch_size_open = batch_size is None  # a run sets its per_device_eval_batch_size
         self.name = getattr(module, "name", None) or type(module).__name__
 
     def batch_statistics(self, model: nn.Module, batch, device) -> tuple[list, list]:

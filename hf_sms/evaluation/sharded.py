@@ -19,6 +19,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 from transformers import default_data_collator
+from transformers.trainer_utils import has_length
+
+from ..batchnorm import recalibrate_batchnorm
+from ..data import SeededItems
 
 logger = logging.getLogger(__name__)
 _NOTED: set[str] = set()
@@ -71,6 +75,15 @@ def batch_statistics(metric, model: nn.Module, dataset, rank: int = 0, size: int
     return dict(zip(batches if size > 1 else range(len(stats)), stats))
 
 
+def gathered_statistics(metric, model: nn.Module, dataset, world=None) -> list:
+    """The statistics of every batch of ``dataset``, in order, each computed by one of ``world``'s processes."""
+    world = world or OneProcess()
+    merged: dict[int, object] = {}
+    for part in world.all_gather(batch_statistics(metric, model, dataset, world.rank, world.size)):
+        merged.update(part)
+    return [merged[b] for b in sorted(merged)]
+
+
 def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
     """``metric`` of ``model`` on ``dataset``, the work shared by ``world``'s processes (every process must call
     it with the same model and data). Without ``world``, or for a metric that cannot be combined, as one process.
@@ -80,10 +93,7 @@ def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
         return metric.evaluate_sharded(model, dataset, world)
     streamed = not hasattr(dataset, "__len__")  # a stream: its batches cannot be dealt out
     if is_batch_metric(metric) and not (streamed and world.size > 1):
-        merged: dict[int, object] = {}
-        for part in world.all_gather(batch_statistics(metric, model, dataset, world.rank, world.size)):
-            merged.update(part)
-        return float(metric.finish([merged[b] for b in sorted(merged)]))
+        return float(metric.finish(gathered_statistics(metric, model, dataset, world)))
     name = getattr(metric, "name", None) or type(metric).__name__
     if world.is_main and name not in _NOTED and world.size > 1:
         _NOTED.add(name)
@@ -95,3 +105,30 @@ def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
     if world.size == 1:
         return float(compute())
     return world.all_gather(float(compute()) if world.is_main else None)[0]
+
+
+def recalibrate_shared(
+    model: nn.Module,
+    dataset,
+    batch_size: int,
+    world=None,
+    seed: int = 0,
+    max_batches: int | None = None,
+    collate_fn=None,
+    loader_kwargs: dict | None = None,
+) -> nn.Module:
+    """BatchNorm recalibration (:func:`hf_sms.recalibrate_batchnorm`) over ``dataset`` in batches of ``batch_size``
+    (the first ``max_batches``), the batches dealt out to ``world``'s processes as for evaluation. Item ``i`` is read
+    under seeds derived from ``(seed, i)``, so random augmentation is the same whoever reads it, and every process
+    gets the statistics one process computes. A stream is read by the main process alone."""
+    world = world or OneProcess()
+    data, limit = SeededItems(dataset, seed), max_batches
+    if not has_length(dataset):  # a stream: its batches cannot be dealt out
+        data = dataset if world.is_main else []
+    elif world.size > 1:
+        n = len(data) if limit is None else min(len(data), limit * batch_size)
+        data, limit = Subset(data, owned_batches(n, batch_size, world.rank, world.size)[1]), None
+    loader = DataLoader(data, batch_size, collate_fn=collate_fn or default_data_collator, **(loader_kwargs or {}))
+    with torch.random.fork_rng():  # a stream's augmentation stays reproducible
+        torch.manual_seed(seed)
+        return recalibrate_batchnorm(model, loader, limit, world)

@@ -16,7 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from .metrics import predict_proba
+from ..batchnorm import forward_batch
+from .metrics import _logits, predict_proba
+from .sharded import gathered_statistics
 
 
 def _plain(value) -> Hashable:
@@ -40,6 +42,15 @@ class _SplitGroups:
             raise ValueError(f"subgroup metrics need dict items with a {self.key!r} key (the group attribute)")
         self.groups += [_plain(item[self.key]) for item in items]
         return self.inner([{k: v for k, v in item.items() if k != self.key} for item in items])
+
+
+class _KeepGroups(_SplitGroups):
+    """A collate function giving ``(groups, batch)``: the groups travel with their batch (loader workers too)."""
+
+    def __call__(self, items: list) -> tuple[list, dict]:
+        batch = super().__call__(items)
+        groups, self.groups = self.groups, []
+        return groups, batch
 
 
 def subgroup_recall(
@@ -110,7 +121,7 @@ class SubgroupRecall:
 
     Args:
         group_key: the item key of the group attribute (e.g. ``"group"``: 0 non-blond, 1 blond).
-        batch_size: evaluation batch size.
+        batch_size: evaluation batch size (default: a run's ``per_device_eval_batch_size``, else 256).
         collate_fn: the collate of the remaining keys; ``default_data_collator`` by default.
         group_names: readable names of group values, e.g. ``{0: "female", 1: "male"}``.
         class_names: readable names of classes, e.g. ``{0: "female", 1: "male"}``.
@@ -121,7 +132,7 @@ class SubgroupRecall:
     def __init__(
         self,
         group_key: str = "group",
-        batch_size: int = 256,
+        batch_size: int | None = None,
         collate_fn=None,
         group_names: dict | None = None,
         class_names: dict | None = None,
@@ -129,14 +140,17 @@ class SubgroupRecall:
     ):
         if score not in ("worst", "balanced"):
             raise ValueError(f"score={score!r}: choose 'worst' (worst-group recall) or 'balanced' (mean recall)")
-        self.group_key, self.batch_size, self.collate_fn = group_key, batch_size, collate_fn or default_data_collator
+        self.group_key, self.inner_collate = group_key, collate_fn or default_data_collator
+        self.batch_size, self.batch_size_open = batch_size or 256, batch_size is None  # open: the run's eval size
+        self.collate_fn = _KeepGroups(group_key, self.inner_collate)  # batches of (groups, batch): a batch metric
+        self.loader_kwargs: dict = {}
         self.group_names, self.class_names, self.score_name = group_names, class_names, score
         self.name = "worst-group recall" if score == "worst" else "balanced accuracy"
         self._last: tuple | None = None  # (dataset, labels, groups) of the last pass: score() reads the data once
 
     def _predict(self, model: nn.Module, dataset) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Probabilities, labels and groups in one pass over ``dataset``."""
-        collate = _SplitGroups(self.group_key, self.collate_fn)
+        collate = _SplitGroups(self.group_key, self.inner_collate)
         # no loader workers: the groups are collected by the collate function, which workers would run elsewhere
         probs, labels = predict_proba(model, dataset, self.batch_size, collate)
         self._last = (dataset, labels, collate.groups)
@@ -145,19 +159,35 @@ class SubgroupRecall:
     def _labels_and_groups(self, dataset) -> tuple[torch.Tensor, list]:
         if self._last is not None and self._last[0] is dataset:
             return self._last[1], self._last[2]
-        collate = _SplitGroups(self.group_key, self.collate_fn)
+        collate = _SplitGroups(self.group_key, self.inner_collate)
         labels = torch.cat([batch["labels"] for batch in DataLoader(dataset, self.batch_size, collate_fn=collate)])
         return labels, collate.groups
 
-    def _summary(self, probs: torch.Tensor, labels: torch.Tensor, groups: list) -> dict:
-        result = subgroup_recall(probs.argmax(-1), labels, groups, self.group_names, self.class_names, self.group_key)
+    def _summary(self, predicted: torch.Tensor, labels: torch.Tensor, groups: list) -> dict:
+        result = subgroup_recall(predicted, labels, groups, self.group_names, self.class_names, self.group_key)
         if self.score_name == "balanced":
             result["value"] = result["balanced_accuracy"]
         return result
 
+    def batch_statistics(self, model: nn.Module, batch: tuple, device) -> tuple[list, list, list]:
+        groups, inputs = batch
+        predicted = _logits(forward_batch(model, inputs, device)).argmax(-1).cpu()
+        return predicted.tolist(), inputs["labels"].tolist(), groups
+
+    def finish(self, statistics: list[tuple[list, list, list]]) -> float:
+        return self._finish(statistics)["value"]
+
+    def _finish(self, statistics: list) -> dict:
+        predicted, labels, groups = ([x for s in statistics for x in s[k]] for k in range(3))
+        return self._summary(torch.tensor(predicted), torch.tensor(labels), groups)
+
     def details(self, model: nn.Module, dataset) -> dict:
         """Per-subgroup recalls, their mean and the worst one (see :func:`subgroup_recall`)."""
-        return self._summary(*self._predict(model, dataset))
+        return self.sharded_details(model, dataset, None)
+
+    def sharded_details(self, model: nn.Module, dataset, world) -> dict:
+        """:meth:`details`, the batches shared by ``world``'s processes (exact: predicted classes are gathered)."""
+        return self._finish(gathered_statistics(self, model, dataset, world))
 
     def predict(self, model: nn.Module, dataset) -> torch.Tensor:
         """Class probabilities ``(N, C)``, for the prediction-ensemble diagnostic."""
@@ -165,7 +195,7 @@ class SubgroupRecall:
 
     def score(self, probs: torch.Tensor, dataset) -> float:
         """The score (worst-group recall, or balanced accuracy) of given probabilities (e.g. the replicas' mean)."""
-        return self._summary(probs, *self._labels_and_groups(dataset))["value"]
+        return self._summary(probs.argmax(-1), *self._labels_and_groups(dataset))["value"]
 
     def __call__(self, model: nn.Module, dataset) -> float:
         return self.details(model, dataset)["value"]

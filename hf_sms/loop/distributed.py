@@ -52,6 +52,20 @@ def _close_at_exit() -> None:
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
+class GroupWorld:
+    """The processes of one replica group (``size``, ``rank``, ``is_main``, ``all_gather``, as a world)."""
+
+    def __init__(self, size: int, rank: int, group=None):
+        self.size, self.rank, self.is_main, self._group = size, rank, rank == 0, group
+
+    def all_gather(self, value) -> list:
+        if self.size == 1:
+            return [value]
+        parts: list = [None] * self.size
+        dist.all_gather_object(parts, value, group=self._group)
+        return parts
+
+
 class ReplicaWorld:
     """Who trains which replica, and the collectives that merge them.
 
@@ -122,6 +136,12 @@ class ReplicaWorld:
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
+
+    @functools.cached_property
+    def group(self) -> GroupWorld:
+        """This process's replica group as a world of its own: the processes that hold the same replica share
+        its evaluation and BatchNorm pass."""
+        return GroupWorld(self.group_size, self.group_rank, self.subgroup)
 
     # -- collectives -------------------------------------------------------------------------------
     def broadcast_masks(self, masks: Masks) -> Masks:
@@ -216,20 +236,22 @@ class ReplicaWorld:
     def all_candidates(self, local: dict[int, StateDict], n: int, template: StateDict) -> dict[int, StateDict]:
         """Every one of the ``n`` replicas' state dicts on every process, each sent by its owner (for soups that
         are not a weighted mean and need all candidates' tensors at once)."""
+        return {i: self.from_owner(local, i, template) for i in range(n)}
+
+    @torch.no_grad()
+    def from_owner(self, local: dict[int, StateDict], i: int, template: StateDict) -> StateDict:
+        """Replica ``i``'s state dict on every process, sent by its owner (``local`` holds it there)."""
         if self.size == 1:
-            return dict(local)
-        out = {}
-        for i in range(n):
-            owner = (i % self.n_groups) * self.group_size  # the owner group's main rank
-            state = {}
-            for k, like in template.items():
-                t = local[i][k] if self.rank == owner else torch.empty_like(like)
-                t = t.to(self.device)
-                t = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
-                dist.broadcast(t, src=owner)
-                state[k] = t.to(like.device, like.dtype)
-            out[i] = state
-        return out
+            return local[i]
+        owner = (i % self.n_groups) * self.group_size  # the owner group's main rank
+        state = {}
+        for k, like in template.items():
+            t = local[i][k] if self.rank == owner else torch.empty_like(like)
+            t = t.to(self.device)
+            t = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+            dist.broadcast(t, src=owner)
+            state[k] = t.to(like.device, like.dtype)
+        return state
 
     @torch.no_grad()
     def sum_tensors(self, local: dict[int, torch.Tensor], shape, dtype=torch.float64) -> torch.Tensor:

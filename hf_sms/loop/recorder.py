@@ -55,12 +55,16 @@ class Recorder:
         self.eval_seconds = 0.0
         self.structure = structure if structure is not None and is_unit_structure(structure) else None
 
-    def evaluate(self, model: nn.Module, dataset, shared: bool = False) -> float | None:
-        """The selection metric on ``dataset``; ``shared``: every process calls this with the same model, and they
-        share the work (hf_sms.evaluation.sharded), else this process alone evaluates (a replica it owns)."""
-        return None if dataset is None else evaluate(self.metric_fn, model, dataset, self.world if shared else None)
+    def evaluate(self, model: nn.Module, dataset, shared=False) -> float | None:
+        """The selection metric on ``dataset``; ``shared=True``: every process calls this with the same model, and
+        they share the work (hf_sms.evaluation.sharded); a world (a replica's group): its processes share it; else
+        this process alone evaluates."""
+        return None if dataset is None else evaluate(self.metric_fn, model, dataset, self._world(shared))
 
-    def measure(self, model: nn.Module, val: float | None = None, timed: bool = False, shared: bool = False) -> dict:
+    def _world(self, shared):
+        return self.world if shared is True else (shared or None)
+
+    def measure(self, model: nn.Module, val: float | None = None, timed: bool = False, shared=False) -> dict:
         """Sparsity, FLOP speedup, the measured one (``timed``: a model that can be the run's result; else None,
         "not measured"), validation (``val`` if the phase step scored it already) and every test set; ``shared``:
         as in :meth:`evaluate`."""
@@ -79,9 +83,9 @@ class Recorder:
             **scores,
         }
 
-    def test_scores(self, model: nn.Module, shared: bool = False) -> dict:
+    def test_scores(self, model: nn.Module, shared=False) -> dict:
         """``test`` (the first test set), ``tests`` (every named one) and, where a metric gives them, ``details``."""
-        world = self.world if shared else None
+        world = self._world(shared)
         measured = {name: measure(metric, model, dataset, world) for name, (dataset, metric) in self.tests.items()}
         out = {"test": next(iter(measured.values()))[0] if measured else None}
         out["tests"] = {name: value for name, (value, _) in measured.items()}
@@ -114,7 +118,8 @@ class Recorder:
         """The rows of an SMS phase (soup; best and mean candidate of the reported trajectory) and its
         diagnostics (candidates' scores, pairwise distances, disagreement, ensemble)."""
         cands, val, soup = result.candidates, result.val, result.soup
-        scores = self.world.gather({i: self.test_scores(c)["tests"] for i, c in cands.items()})
+        group = self.world.group  # the processes holding a candidate share its test sets
+        scores = self.world.gather({i: self.test_scores(c, group)["tests"] for i, c in cands.items()})
         tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
         test = next(iter(tests.values()), [None] * len(val))
         self.row(f"sms_{method}", p, self.measure(soup, timed=True, shared=True), kept=result.kept)

@@ -16,13 +16,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from ..batchnorm import forward_batch, has_batchnorm, recalibrate_batchnorm
+from ..batchnorm import forward_batch, has_batchnorm
 from ..checkpoint import load_sparse, save_sparse
 from ..checkpoint.constants import FINAL_SOUP, RESULTS_FILE, SPARSITY_NAME
 from ..config import SparseSoupConfig
 from ..data import split_validation
 from ..evaluation.metrics import MetricFn, as_metric
 from ..evaluation.named import named_tests
+from ..evaluation.sharded import recalibrate_shared
 from ..hub import push_to_hub
 from ..methods.common import empty_step
 from ..phase import PhaseResult, PhaseSpec, phase_folder
@@ -31,6 +32,7 @@ from ..pruning.prunable import accepts_labels
 from ..pruning.structures import is_unit_structure
 from ..registry import BASELINES, PRUNING_METHODS
 from ..runtime.speed import describe_input, measure_shrunk_speedup, measure_speedup
+from ..seeding import derive_seed
 from ..soup.soup import soup
 from ..trainer import SparseSoupTrainer
 from .checks import check_inputs, check_model
@@ -88,12 +90,16 @@ class SparseModelSoup:
         check_inputs(args, train_dataset, eval_dataset, metric_fn)
         self.args = args
         self.tests = named_tests(test_dataset, metric_fn)
-        # the run's data-loader settings for every evaluation and recalibration, where a metric left them open
+        # the run's data-loader settings and evaluation batch size for every evaluation and recalibration, where a
+        # metric left them open
         self.loader_kwargs = {"num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory}
         self.loader_kwargs["pin_memory"] &= torch.cuda.is_available() and not args.use_cpu
         for metric in [metric_fn, *(m for _, m in self.tests.values())]:
+            metric = getattr(metric, "metric", metric)  # the metric inside a mean over sets
             if isinstance(getattr(metric, "loader_kwargs", None), dict) and not metric.loader_kwargs:
                 metric.loader_kwargs.update(self.loader_kwargs)
+            if getattr(metric, "batch_size_open", False):
+                metric.batch_size, metric.batch_size_open = args.per_device_eval_batch_size, False
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         # The ensemble diagnostic needs a test set scored with the selection metric.
         self.test_dataset = next((d for d, m in self.tests.values() if m is metric_fn), None)
@@ -218,8 +224,9 @@ class SparseModelSoup:
                     spec.replica_folder(i),
                     check_mask=spec.exact_masks,
                     **spec.trainer_kwargs(i),
-                )  # fmt: skip
-            )
+                ),
+                world.group,  # the processes holding replica i
+            )  # fmt: skip
             for i in owned
         }
         val = self.gather_metric(candidates, self.eval_dataset)
@@ -358,15 +365,22 @@ class SparseModelSoup:
             )
         return self.load(start, self.world.average(self.state_dicts(model), [1.0], start.state_dict()))
 
-    def recalibrate(self, model: nn.Module) -> nn.Module:
-        if self.args.recalibrate_bn and has_batchnorm(model):
-            loader = DataLoader(
-                self.train_dataset, self.args.per_device_train_batch_size, collate_fn=self.collate, **self.loader_kwargs
-            )
-            with torch.random.fork_rng():  # augmentation inside the data set stays reproducible
-                torch.manual_seed(self.args.seed)
-                recalibrate_batchnorm(model, loader, self.args.bn_recalibration_batches)
-        return model
+    def recalibrate(self, model: nn.Module, world=None) -> nn.Module:
+        """BatchNorm statistics of ``model`` over the training data (docs/method.md §5), the batches shared by
+        ``world`` (default: every process, all holding ``model``; a replica: its group)."""
+        a, world = self.args, world or self.world
+        if not (a.recalibrate_bn and has_batchnorm(model)):
+            return model
+        return recalibrate_shared(
+            model,
+            self.train_dataset,
+            a.per_device_train_batch_size,
+            world,
+            seed=derive_seed(a.seed, "batchnorm"),
+            max_batches=a.bn_recalibration_batches,
+            collate_fn=self.collate,
+            loader_kwargs=self.loader_kwargs,
+        )
 
     @staticmethod
     def load(template: nn.Module, state_dict: dict) -> nn.Module:
@@ -379,7 +393,8 @@ class SparseModelSoup:
         return {i: m.state_dict() for i, m in models.items()}
 
     def gather_metric(self, models: dict[int, nn.Module], dataset) -> list[float | None]:
-        scores = self.world.gather({i: self.recorder.evaluate(m, dataset) for i, m in models.items()})
+        group = self.world.group  # the processes that hold a replica share its evaluation
+        scores = self.world.gather({i: self.recorder.evaluate(m, dataset, shared=group) for i, m in models.items()})
         return [scores[i] for i in range(len(scores))]
 
     @functools.cached_property

@@ -37,7 +37,7 @@ class MethodContext(Protocol):
 
     def train_single(self, start: nn.Module, args, name: str, callbacks=(), total_steps=None, **trainer_kwargs): ...
 
-    def recalibrate(self, model: nn.Module) -> nn.Module: ...
+    def recalibrate(self, model: nn.Module, world=None) -> nn.Module: ...  # world: who shares the pass
 
     def nested(self, args, model: nn.Module): ...  # a loop with other settings (BIMP's cycles)
 

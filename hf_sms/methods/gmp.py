@@ -212,7 +212,7 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
     model = ctx.train_single(ctx.pretrained, plain, f"{name}/plain", total_steps=total, **plain_kwargs(bool(sms)))
     if not sms:
         model = ctx.recalibrate(model)  # as every soup is, so that comparisons are fair (docs/method.md §5)
-        ctx.recorder.row(name, len(ctx.results["phases"]) - 1, ctx.recorder.measure(model, timed=True))
+        ctx.recorder.row(name, len(ctx.results["phases"]) - 1, ctx.recorder.measure(model, timed=True, shared=True))
         return model
     masks, result = (None if dense_phases else masks_from_model(model)), None
     for p, (begin, end, sparsity) in enumerate(sms):

@@ -1,5 +1,6 @@
-"""Evaluation shared by N processes (torchrun, gloo) or one (plain python): every built-in metric and an
-``evaluate`` module on fixed models and data; each rank writes its values and how many examples it read.
+"""Evaluation shared by N processes (torchrun, gloo) or one (plain python): every built-in metric, an ``evaluate``
+module and BatchNorm recalibration over augmented data, on fixed models and data; each rank writes its values and
+how many examples it read.
 
     python eval_shards.py OUT METRIC_SCRIPT            # one process
     torchrun --nproc_per_node 3 eval_shards.py OUT METRIC_SCRIPT
@@ -14,7 +15,16 @@ from torch import nn
 
 from hf_sms.data import load_digits_splits
 from hf_sms.demo import DigitsResNet
-from hf_sms.evaluation import BleuMetric, ClassificationAccuracy, MeanIoU, MeanOverSets, evaluate, measure
+from hf_sms.evaluation import (
+    BleuMetric,
+    ClassificationAccuracy,
+    MeanIoU,
+    MeanOverSets,
+    SubgroupRecall,
+    evaluate,
+    measure,
+)
+from hf_sms.evaluation.sharded import recalibrate_shared
 from hf_sms.evaluation.metrics import EvaluateMetric
 from hf_sms.loop.distributed import ReplicaWorld
 
@@ -39,12 +49,14 @@ class Counted(torch.utils.data.Dataset):
 
 
 torch.manual_seed(0)
-_, val, test = load_digits_splits(seed=0)
+train, val, test = load_digits_splits(seed=0)
 digits = Counted([val[i] for i in range(len(val))])
 cnn = DigitsResNet(width=4).eval()
 values = {"accuracy": evaluate(ClassificationAccuracy(batch_size=32), cnn, digits, world)}
 
 ood = {("noise", 1): Counted([test[i] for i in range(50)]), ("noise", 2): Counted([test[i] for i in range(50, 130)])}
+grouped = Counted([{**val[i], "group": i % 3} for i in range(len(val))])
+values["groups"] = measure(SubgroupRecall(batch_size=32), cnn, grouped, world)  # value and every subgroup's recall
 values["ood"] = measure(MeanOverSets(ClassificationAccuracy(batch_size=16)), cnn, ood, world)[0]
 
 
@@ -92,5 +104,9 @@ import evaluate as hf_evaluate  # noqa: E402
 module = EvaluateMetric(hf_evaluate.load(script), key="accuracy", batch_size=32)
 values["evaluate"] = evaluate(module, cnn, digits, world)
 values["plain"] = evaluate(lambda model, data: float(len(data)) + world.rank * 1000, cnn, digits, world)
+
+# BatchNorm statistics over 11 batches of 16 randomly shifted images (the augmentation draws torch's generator)
+bn = recalibrate_shared(DigitsResNet(width=4), Counted(train), 16, world, seed=3, max_batches=11)
+values["batchnorm"] = {k: v.tolist() for k, v in bn.state_dict().items() if "running" in k or "batches" in k}
 
 (out / f"rank{world.rank}.json").write_text(json.dumps({"values": values, "reads": reads["n"], "size": world.size}))
