@@ -78,9 +78,8 @@ def test_an_evaluate_module_is_a_metric_and_metrics_read_with_the_runs_loader_se
     module = evaluate.load(str(tmp_path / "top1.py"))  # a local script: no download
     train, val, test = load_digits_splits(seed=0)
     accuracy, fixed = ClassificationAccuracy(), ClassificationAccuracy(batch_size=50)
-    args = sms_config(
-        tmp_path, n_phases=1, max_steps=2, dataloader_num_workers=1, measure_speedup=False, per_device_eval_batch_size=24
-    )
+    loading = {"dataloader_num_workers": 1, "per_device_eval_batch_size": 24}
+    args = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False, **loading)
     tests = {"test": test, "top1": (test, module), "fixed": (test, fixed)}
     _, results = run_sms(DigitsResNet(width=4), args, train, accuracy, eval_dataset=val, test_dataset=tests)
     row = results["rows"]["sms_uniform"][-1]

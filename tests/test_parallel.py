@@ -131,9 +131,9 @@ def test_killed_run_resumes_to_the_same_soup(sequential, tmp_path, nproc, marker
 
 
 def test_evaluation_is_shared_by_two_and_three_processes_with_identical_values(tmp_path):
-    """Accuracy, subgroup recall, the mean over corrupted sets, mean IoU, BLEU (generate), an evaluate module and BatchNorm
-    statistics over augmented data: each process reads its share of the batches, nothing twice, and every process
-    gets the one-process value to the last digit."""
+    """Accuracy, subgroup recall, the mean over corrupted sets, mean IoU, BLEU (generate), an evaluate module and
+    BatchNorm statistics over augmented data: each process reads its share of the batches, nothing twice, and every
+    process gets the one-process value to the last digit."""
     (tmp_path / "top1.py").write_text(TOP1_METRIC_SCRIPT)
     runs = {}
     for n in (1, 2, 3):
@@ -151,4 +151,4 @@ def test_evaluation_is_shared_by_two_and_three_processes_with_identical_values(t
         assert all(r["values"] == one["values"] for r in runs[n]), (n, [r["values"] for r in runs[n]])
         reads = [r["reads"] for r in runs[n]]
         assert sum(reads) == one["reads"]  # no example read twice
-        assert max(reads) <= one["reads"] / n + 3 * 32 + 16 + 4 + 4 + 16  # at most a batch more than a fair share, per set
+        assert max(reads) <= one["reads"] / n + 3 * 32 + 16 + 4 + 4 + 16  # a batch over a fair share, per set

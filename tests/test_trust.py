@@ -485,3 +485,61 @@ def test_a_runtime_load_into_a_template_lacking_checkpoint_tensors_is_refused(tm
         with pytest.raises(ValueError, match="no place for|unexpected tensors"):
             load_sparse(folder, T5ForConditionalGeneration(config), runtime=runtime)
     assert load_sparse(folder, runtime="csr").hf_sms_runtime.layers  # its own architecture loads
+
+
+def _flip_a_bit(path, key: str) -> None:
+    """Flip the lowest bit of the first byte of tensor ``key`` in a safetensors file, in place."""
+    from hf_sms.checkpoint.safetensors_io import SafetensorsFile
+
+    f = SafetensorsFile(str(path))
+    at = f.data_start + f.entries[key][2]
+    with open(path, "r+b") as out:
+        out.seek(at)
+        byte = out.read(1)[0]
+        out.seek(at)
+        out.write(bytes([byte ^ 1]))
+
+
+@pytest.mark.parametrize("fmt", ["bitmask", "dense"])
+def test_one_flipped_bit_in_a_tensor_stored_as_it_is_is_refused(tmp_path, fmt):
+    """Case 4: biases, norms, BatchNorm statistics and dense-stored weights carry a checksum too."""
+    from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+    from hf_sms import load_sparse, prune, save_sparse
+
+    torch.manual_seed(0)
+    cnn = DigitsResNet(width=4)
+    prune(cnn, 0.5)
+    save_sparse(cnn, tmp_path / "cnn", format=fmt)
+    raw = ["fc.bias", "layer1.bn1.running_var", "layer1.bn1.num_batches_tracked"]
+    for key in raw + ["fc.weight"] if fmt == "dense" else raw:  # bitmask: the weight is encoded, its index checks it
+        folder = tmp_path / f"cnn-{key}"
+        shutil.copytree(tmp_path / "cnn", folder)
+        _flip_a_bit(folder / "model.safetensors", key)
+        with pytest.raises(ValueError, match=f"checksum mismatch in '{key}'"):
+            load_sparse(folder, model=DigitsResNet(width=4))
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+    save_sparse(t5, tmp_path / "t5", format=fmt)
+    _flip_a_bit(tmp_path / "t5" / "model.safetensors", "encoder.final_layer_norm.weight")
+    with pytest.raises(ValueError, match="checksum mismatch in 'encoder.final_layer_norm.weight'"):
+        load_sparse(tmp_path / "t5")
+    if fmt == "bitmask":  # through transformers, with hf_sms imported
+        with pytest.raises(ValueError, match="checksum mismatch"):
+            AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5")
+
+
+def test_a_merge_of_a_corrupted_replica_is_refused(tmp_path):
+    """Stored values of an encoded tensor are checked before they are averaged (the merged index is re-stamped)."""
+    from hf_sms import prune, save_sparse
+    from hf_sms.checkpoint import merge_checkpoints
+
+    torch.manual_seed(0)
+    model = DigitsResNet(width=4)
+    prune(model, 0.5)
+    for name in "ab":
+        save_sparse(model, tmp_path / name)
+    key = next(n for n, p in model.named_parameters() if p.dim() > 1)
+    _flip_a_bit(tmp_path / "b" / "model.safetensors", key)
+    with pytest.raises(ValueError, match=f"checksum mismatch in '{key}'"):
+        merge_checkpoints([tmp_path / "a", tmp_path / "b"], tmp_path / "soup")
+    assert not (tmp_path / "soup").exists()

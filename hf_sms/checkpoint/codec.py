@@ -43,6 +43,11 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
+def crc32(t: torch.Tensor) -> int:
+    """CRC-32 of a CPU tensor's bytes, as stored."""
+    return zlib.crc32(_bytes_of(t.reshape(-1)) if t.numel() else b"")
+
+
 def _elias_fano_k(numel: int, nnz: int) -> tuple[int, int]:
     """Low-bit count k minimising the Elias-Fano size; returns (k, bits of the unary high part)."""
     k0 = max(0, int(math.log2(numel / nnz))) if nnz else 0

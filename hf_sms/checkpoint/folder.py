@@ -230,6 +230,7 @@ def write_sparsity(
     recipe: dict | None = None,
     metrics: dict | None = None,
     aliases: dict[str, str] | None = None,
+    checksums: dict[str, int] | None = None,
 ) -> dict:
     """Write ``sparsity.json``, the record that makes a folder an hf-sms checkpoint.
 
@@ -242,6 +243,7 @@ def write_sparsity(
         recipe: the soup recipe.
         metrics: evaluation metrics.
         aliases: ``{name: kept name}`` of tensors stored once because they share storage.
+        checksums: ``{name: CRC-32}`` of tensors in files hf-sms did not write (a dense folder keeps the family's).
 
     Returns:
         The record written.
@@ -257,6 +259,8 @@ def write_sparsity(
     }
     if aliases:
         info["aliases"] = aliases
+    if checksums:
+        info["crc32"] = checksums
     write_json(os.path.join(folder, SPARSITY_NAME), info)
     return info
 

@@ -20,7 +20,7 @@ from ..registry import SOUPS
 from ..soup.averaging import Accumulator
 from ..soup.method import SoupMethod
 from .card import write_card
-from .codec import decode_tensor, index_info, mask_part, restamp_index
+from .codec import decode_tensor, index_info, mask_part, restamp_index, verified
 from .constants import FORMATS, INDEX_SUFFIX, WEIGHTS_NAME
 from .folder import atomic_folder, check_target, copy_companion_files, write_sparsity
 from .masks import eligible
@@ -159,7 +159,7 @@ def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: list[float]
     indexes = [c.read_raw(name + INDEX_SUFFIX) for c in ckpts]
     if any(mask_part(i) != mask_part(indexes[0]) for i in indexes[1:]):
         return None
-    values = (c.read_raw(name) for c in ckpts)
+    values = (verified(c.read_raw(name), i, name)[1] for c, i in zip(ckpts, indexes))  # corrupt inputs refused
     if index_info(indexes[0])["codec"] == "dense":  # zeros are among the values: compare them
         values = _same_zeros(values, ckpts, name)
     values = _mean(values, weight)

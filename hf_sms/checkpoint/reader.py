@@ -58,6 +58,12 @@ class SparseCheckpoint:
                 if key in self._where:
                     raise ValueError(f"tensor {key!r} appears in two weight files of {directory}; re-save it")
                 self._where[key] = f
+        recorded = (self.info or {}).get("crc32") or {}  # a dense folder's checksums (the family's files)
+        if not isinstance(recorded, dict) or not all(isinstance(v, int) for v in recorded.values()):
+            raise ValueError(f"{directory}/{SPARSITY_NAME} has corrupted checksums; re-save the checkpoint")
+        for key, crc in recorded.items():
+            if key in self._where:
+                self._where[key].crcs.setdefault(key, crc)
         self._names = [k for k in self._where if not k.endswith(INDEX_SUFFIX)]
         for key in self._where:
             if key.endswith(INDEX_SUFFIX) and key[: -len(INDEX_SUFFIX)] not in self._where:

@@ -13,6 +13,7 @@ import math
 import mmap
 import os
 import struct
+import zlib
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ _DTYPES = {
 }
 _MAX_HEADER = 100_000_000  # safetensors' own limit
 _FIX = "re-save the checkpoint or re-download the file"
+CRC_KEY = "hf_sms_crc32"  # header metadata: {tensor name: CRC-32 of its bytes}
 
 
 def workers() -> int:
@@ -64,6 +66,12 @@ class SafetensorsFile:
         self.data_start = 8 + n
         self._map: mmap.mmap | None = None
         self.metadata = header.pop("__metadata__", None) or {}
+        try:  # CRC-32 of every tensor hf-sms stored as it is (an encoded tensor's index holds its own)
+            self.crcs = json.loads(self.metadata.get(CRC_KEY, "{}"))
+            assert isinstance(self.crcs, dict) and all(isinstance(v, int) for v in self.crcs.values())
+        except (TypeError, ValueError, AssertionError):
+            raise ValueError(f"{path} has corrupted hf-sms checksums in its header; {_FIX}") from None
+        self._progress: dict[str, tuple[int, int]] = {}  # key: (next element, CRC so far) of sequential chunks
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for key, e in header.items():
             try:
@@ -90,10 +98,22 @@ class SafetensorsFile:
         # numpy, not torch.frombuffer: stays on the CPU inside transformers' meta-device init context
         return np.frombuffer(buf, np.uint8)
 
+    def _check(self, key: str, crc: int) -> None:
+        if key in self.crcs and crc != self.crcs[key]:
+            raise ValueError(f"checksum mismatch in {key!r} of {self.path}: the file is corrupted; {_FIX}")
+
     def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``start:stop`` of the flattened tensor ``key``."""
-        dtype, _, begin, _ = self.entries[key]
+        """Elements ``start:stop`` of the flattened tensor ``key``; chunks read in order from 0 are checked
+        against the tensor's checksum when the last one is read."""
+        dtype, shape, begin, _ = self.entries[key]
         raw = self._read_bytes(key, begin + start * dtype.itemsize, (stop - start) * dtype.itemsize)
+        at, crc = self._progress.pop(key, (0, 0))
+        if start == at:
+            crc = zlib.crc32(raw, crc)
+            if stop == math.prod(shape):
+                self._check(key, crc)
+            else:
+                self._progress[key] = (stop, crc)
         return torch.from_numpy(raw).view(dtype)
 
     def read(self, key: str, mapped: bool = False) -> torch.Tensor:
@@ -109,6 +129,8 @@ class SafetensorsFile:
             raw = np.frombuffer(self._map, np.uint8, end - begin, at)
         else:
             raw = self._read_bytes(key, begin, end - begin)
+        if key in self.crcs:
+            self._check(key, zlib.crc32(raw))
         return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
@@ -158,6 +180,11 @@ class WeightsWriter:
             self.stats.add(name, mask, info["codec"] if self.fmt == "bitmask" else "dense")
 
     def save(self, path: str) -> MaskStats:
-        """Write the collected tensors to ``path``; returns the mask statistics."""
-        save_file(self.tensors, path, metadata={"format": "pt", "hf_sms": f"{self.fmt}-v{FORMAT_VERSION}"})
+        """Write the collected tensors to ``path`` with a CRC-32 of each one stored as it is (biases, norms,
+        BatchNorm statistics, dense weights; an encoded tensor's index checks its values); returns the mask
+        statistics."""
+        encoded = {k[: -len(INDEX_SUFFIX)] for k in self.tensors if k.endswith(INDEX_SUFFIX)}
+        crcs = {k: codec.crc32(t) for k, t in self.tensors.items() if k not in encoded and not k.endswith(INDEX_SUFFIX)}
+        metadata = {"format": "pt", "hf_sms": f"{self.fmt}-v{FORMAT_VERSION}", CRC_KEY: json.dumps(crcs)}
+        save_file(self.tensors, path, metadata=metadata)
         return self.stats

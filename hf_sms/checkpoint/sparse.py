@@ -7,6 +7,7 @@ import os
 from torch import nn
 
 from .card import write_card
+from .codec import crc32
 from .constants import CARD_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME
 from .families import family_of_model
 from .folder import atomic_folder, weight_files, write_sparsity
@@ -17,20 +18,23 @@ from .safetensors_io import SafetensorsFile, WeightsWriter
 from .state import load_into
 
 
-def _store_weights(folder: str, fmt: str) -> MaskStats:
-    """Turn the family's dense weight files in ``folder`` into ``fmt``; returns their mask statistics.
+def _store_weights(folder: str, fmt: str) -> tuple[MaskStats, dict[str, int]]:
+    """Turn the family's dense weight files in ``folder`` into ``fmt``; returns their mask statistics and the
+    checksums ``sparsity.json`` records.
 
-    The dense format keeps the family's files untouched (they load without hf-sms); the bitmask format
-    re-encodes every tensor into one ``model.safetensors``.
+    The dense format keeps the family's files untouched (they load without hf-sms), so the CRC-32 of every tensor
+    goes to ``sparsity.json``; the bitmask format re-encodes every tensor into one ``model.safetensors``, whose
+    header and indexes hold them.
     """
     files = [SafetensorsFile(p) for p in weight_files(folder)]
     tensors = ((k, f.read(k)) for f in files for k in f.keys())
     if fmt == "dense":
-        stats = MaskStats()
+        stats, crcs = MaskStats(), {}
         for name, t in tensors:
+            crcs[name] = crc32(t)
             if eligible(name, t.shape, t.dtype):
                 stats.add(name, t != 0, "dense")
-        return stats
+        return stats, crcs
     writer = WeightsWriter(fmt)
     for name, t in tensors:
         writer.add(name, t)
@@ -41,7 +45,7 @@ def _store_weights(folder: str, fmt: str) -> MaskStats:
     if os.path.exists(os.path.join(folder, INDEX_NAME)):
         os.remove(os.path.join(folder, INDEX_NAME))
     os.replace(new_path, os.path.join(folder, WEIGHTS_NAME))
-    return stats
+    return stats, {}
 
 
 def save_sparse(
@@ -77,7 +81,7 @@ def save_sparse(
         architecture, aliases = family.save(model, tmp)
         if processing_class is not None:
             processing_class.save_pretrained(tmp)
-        stats = _store_weights(tmp, format)
+        stats, checksums = _store_weights(tmp, format)
         family.write_config(tmp, format)
         write_sparsity(
             tmp,
@@ -88,6 +92,7 @@ def save_sparse(
             recipe=recipe,
             metrics=metrics,
             aliases=aliases,
+            checksums=checksums,
         )
         write_card(tmp, os.path.basename(os.path.abspath(directory)), os.path.join(directory, CARD_NAME))
     return directory

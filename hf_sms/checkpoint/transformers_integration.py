@@ -118,6 +118,7 @@ class SparseCheckpointQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.errors: list[str] = []
         self._prefetch: Prefetcher | None = None
+        self._files: list[SafetensorsFile] = []
         self._plan = None
         self._dtypes: dict[str, torch.dtype] | None = None
 
@@ -141,7 +142,7 @@ class SparseCheckpointQuantizer(HfQuantizer):
             if root and os.path.isdir(root):  # a local folder: an index naming "../x" never leads outside it
                 for p in paths:
                     checkpoint_file(root, os.path.relpath(os.path.normpath(p), os.path.normpath(root)))
-            files = [SafetensorsFile(p) for p in paths]
+            self._files = files = [SafetensorsFile(p) for p in paths]
             self._prefetch = Prefetcher(files)
         plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
         self._plan = (build_glob_alternation(list(plan)), plan) if plan else None
@@ -172,6 +173,9 @@ class SparseCheckpointQuantizer(HfQuantizer):
         if self.errors:
             more = f" (and {len(self.errors) - 1} more errors)" if self.errors[1:] else ""
             raise ValueError(self.errors[0] + more)
+        for f in self._files:  # transformers read the tensors stored as they are: check their bytes in the file
+            for key in f.crcs:
+                f.read(key, mapped=True)
         missing = [
             k
             for k, v in model.state_dict(keep_vars=True).items()

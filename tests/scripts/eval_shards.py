@@ -24,8 +24,8 @@ from hf_sms.evaluation import (
     evaluate,
     measure,
 )
-from hf_sms.evaluation.sharded import recalibrate_shared
 from hf_sms.evaluation.metrics import EvaluateMetric
+from hf_sms.evaluation.sharded import recalibrate_shared
 from hf_sms.loop.distributed import ReplicaWorld
 
 torch.set_num_threads(1)
