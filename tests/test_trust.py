@@ -543,3 +543,57 @@ def test_a_merge_of_a_corrupted_replica_is_refused(tmp_path):
     with pytest.raises(ValueError, match=f"checksum mismatch in '{key}'"):
         merge_checkpoints([tmp_path / "a", tmp_path / "b"], tmp_path / "soup")
     assert not (tmp_path / "soup").exists()
+
+
+def _claiming(values: torch.Tensor, positions, shape) -> torch.Tensor:
+    """An Elias-Fano index placing ``values`` at ``positions`` of a tensor of ``shape`` (any size: nothing dense)."""
+    import zlib
+
+    import numpy as np
+
+    from hf_sms.checkpoint import codec
+
+    pos, numel = np.asarray(positions, dtype=np.int64), int(np.prod(shape, dtype=np.float64))
+    k, ubits = codec._elias_fano_k(numel, len(pos))
+    unary = np.zeros(ubits, dtype=bool)
+    unary[(pos >> k) + np.arange(len(pos))] = True
+    low = pos & ((1 << k) - 1)
+    payload = [np.packbits(unary, bitorder="little")] + [
+        np.packbits((low >> j) & 1, bitorder="little") for j in range(k)
+    ]
+    crc = zlib.crc32(codec._bytes_of(values))
+    for part in payload:
+        crc = zlib.crc32(part, crc)
+    head = codec._HEAD.pack(codec._MAGIC, codec.FORMAT_VERSION, codec.ELIAS_FANO, k, len(shape), len(pos), ubits, crc)
+    dims = np.asarray(shape, dtype="<u8").view(np.uint8)
+    return torch.from_numpy(np.concatenate([np.frombuffer(head, np.uint8), dims, *payload]))
+
+
+def test_an_index_claiming_a_huge_shape_is_refused_before_anything_is_decoded(tmp_path):
+    """Case 5: a small index claiming 2^35 entries stalled a runtime load for 14 s before any shape was compared."""
+    import time
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_sms import load_sparse, prune, save_sparse
+
+    config = T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    model = T5ForConditionalGeneration(config)
+    prune(model, 0.5)
+    save_sparse(model, tmp_path / "t5")
+    path = tmp_path / "t5" / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    key = "encoder.block.0.layer.1.DenseReluDense.wi.weight"
+    values = torch.ones(100)
+    tensors[key], tensors[key + ".sp_index"] = values, _claiming(values, range(0, 10**9, 10**7), (2**20, 2**15))
+    save_file(tensors, path, metadata=metadata)
+    assert path.stat().st_size < 40_000
+    for kwargs in ({"runtime": "csr"}, {}, {"model": T5ForConditionalGeneration(config)}):
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match=r"claims shape \(1048576, 32768\), but the model's \(32, 16\)"):
+            load_sparse(tmp_path / "t5", **kwargs)
+        assert time.perf_counter() - start < 5, kwargs  # refused from the header, not after decoding 2^35 entries

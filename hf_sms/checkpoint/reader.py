@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch import nn
 
 from .codec import DENSE, decode_positions, decode_tensor, index_info, index_mask
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
@@ -87,11 +89,26 @@ class SparseCheckpoint:
         return name + INDEX_SUFFIX in self._where
 
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """``(shape, dtype)`` of the dense tensor."""
+        """``(shape, dtype)`` of the dense tensor (an encoded one's from its index header: nothing decoded)."""
         dtype, shape, _, _ = self._where[name].entries[name]
         if self.is_encoded(name):
-            shape = tuple(index_info(self.read_raw(name + INDEX_SUFFIX), name)["shape"])
+            shape = tuple(index_info(self.read_raw(name + INDEX_SUFFIX, mapped=True), name)["shape"])
         return shape, dtype
+
+    def check_claims(self, model: nn.Module) -> None:
+        """Raise before anything is decoded if a stored tensor claims another shape than ``model``'s tensor of that
+        name, or, under a name the model lacks, more elements than any of its tensors (``model`` may be on the meta
+        device). A hostile index may claim any shape; decoding one claiming 2^35 entries would stall the load."""
+        own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        largest = max((math.prod(s) for s in own.values()), default=0)
+        for name in self._names:
+            shape = tuple(self.spec(name)[0])
+            if name in own and shape != own[name] or name not in own and math.prod(shape) > largest:
+                what = f"the model's {own[name]}" if name in own else f"no tensor of the model has {math.prod(shape)}"
+                raise ValueError(
+                    f"{self.directory}: {name!r} claims shape {shape}, but {what}: the checkpoint is corrupted or of "
+                    "another architecture. Pass the matching template, or re-save the checkpoint."
+                )
 
     def read_raw(self, key: str, mapped: bool = False) -> torch.Tensor:
         """A stored tensor as it is in the file (for an encoded tensor: its values, or ``name.sp_index``);

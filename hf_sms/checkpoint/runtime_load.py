@@ -83,16 +83,17 @@ def load_runtime(
             "to the GPU in fp16/bf16, then call hf_sms.to_sparse_runtime(model, 'semi_structured')"
         )
     stats = MaskStats() if verify else None  # mask digests taken while reading: each index is decoded once
+    if model is None:
+        with init_empty_weights(include_buffers=False):
+            model = ckpt.family.instantiate(ckpt, **kwargs)
+        ckpt.family.tie_weights(model)  # outside: init_empty_weights re-creates every parameter it sees set
+    ckpt.check_claims(model)  # every claimed shape against the model's, before any index is decoded
     reads = _Prefetch(ckpt, stats, min_sparsity if layout != "dense" else 2.0)
     try:
-        # Decoded before the model is built, not beside it: while Python code runs in this thread, a pool thread
+        # Decoded before anything else runs, not beside it: while Python code runs in this thread, a pool thread
         # gets the GIL back only a switch interval (5 ms) after each numpy call, and decoding stalls (measured:
         # T5-small's indices took 15 s beside a busy Python loop instead of 0.08 s alone).
         reads.wait()
-        if model is None:
-            with init_empty_weights(include_buffers=False):
-                model = ckpt.family.instantiate(ckpt, **kwargs)
-            ckpt.family.tie_weights(model)  # outside: init_empty_weights re-creates every parameter it sees set
         model.eval()  # before any sample runs: BatchNorm statistics must not move
         device = check_request(model, layout, sample_input, min_sparsity)
         report = RuntimeReport(layout, str(device), torch.get_num_threads())

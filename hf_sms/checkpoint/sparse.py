@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from accelerate import init_empty_weights
 from torch import nn
 
 from .card import write_card
@@ -134,6 +135,11 @@ def load_sparse(
     ckpt = SparseCheckpoint(directory)
     if runtime is not None:
         return load_runtime(ckpt, model, runtime, sample_input, min_sparsity, verify, **kwargs)
+    if model is None:  # the shapes of the model the family builds, without its weights
+        with init_empty_weights(include_buffers=False):
+            ckpt.check_claims(ckpt.family.instantiate(ckpt, **kwargs))
+    else:
+        ckpt.check_claims(model)  # before anything is decoded
     state_dict = ckpt.state_dict()
     if verify:
         check_masks(ckpt, state_dict)
