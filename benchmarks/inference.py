@@ -149,7 +149,7 @@ if mode == "transformers":
 elif mode == "load_sparse":
     model = hf_sms.load_sparse(folder)
 else:
-    model = hf_sms.load_sparse(folder, runtime="csr")
+    model = hf_sms.load_sparse(folder, runtime="csr", mmap=mode == "runtime-mmap")
 with torch.inference_mode():
     model(input_ids=ids, decoder_input_ids=ids)
 seconds = time.perf_counter() - start
@@ -168,6 +168,7 @@ def bench_load(sparsity, rounds):
         "transformers from_pretrained (dense file, lazy mmap)": ("transformers", "dense"),
         "load_sparse (bitmask file, dense model)": ("load_sparse", "bitmask"),
         "load_sparse(runtime='csr') (bitmask file)": ("runtime", "bitmask"),
+        "load_sparse(runtime='csr', mmap=True) (bitmask file)": ("runtime-mmap", "bitmask"),
     }
     results = {name: [] for name in runs}
     for _ in range(rounds):  # interleaved rounds, medians

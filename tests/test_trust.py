@@ -597,3 +597,41 @@ def test_an_index_claiming_a_huge_shape_is_refused_before_anything_is_decoded(tm
         with pytest.raises(ValueError, match=r"claims shape \(1048576, 32768\), but the model's \(32, 16\)"):
             load_sparse(tmp_path / "t5", **kwargs)
         assert time.perf_counter() - start < 5, kwargs  # refused from the header, not after decoding 2^35 entries
+
+
+def test_a_runtime_model_does_not_follow_its_file_unless_mapped_on_request(tmp_path):
+    """Case 7: rewriting model.safetensors in place changed a runtime model's outputs, truncating it killed the
+    process (SIGBUS). The values are copied by default; ``mmap=True`` maps them, with the hazard documented."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_sms import load_sparse, prune, save_sparse
+    from hf_sms.checkpoint.safetensors_io import SafetensorsFile
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2))
+    prune(model, 0.9)
+    save_sparse(model, tmp_path / "t5")
+    path = tmp_path / "t5" / "model.safetensors"
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def out(m):
+        with torch.no_grad():
+            return m(input_ids=ids, decoder_input_ids=ids).logits
+
+    copied, mapped = load_sparse(tmp_path / "t5", runtime="csr"), load_sparse(tmp_path / "t5", runtime="csr", mmap=True)
+    before = out(copied)
+    assert torch.equal(out(mapped), before)
+    f = SafetensorsFile(str(path))
+    with open(path, "r+b") as w:  # every stored value of every encoded weight rewritten in place
+        for key, (dtype, shape, begin, end) in f.entries.items():
+            if key + ".sp_index" in f.entries:
+                w.seek(f.data_start + begin)
+                w.write(torch.full(shape, 7.0, dtype=dtype).numpy().tobytes())
+    assert torch.equal(out(copied), before)
+    assert not torch.equal(out(mapped), before)  # the documented hazard of mmap=True
+    del mapped
+    with open(path, "r+b") as w:
+        w.truncate(100)
+    assert torch.equal(out(copied), before)  # no SIGBUS: nothing of the file is used after loading
+    with pytest.raises(ValueError, match="mmap=True maps the values of a runtime load"):
+        load_sparse(tmp_path / "t5", mmap=True)

@@ -74,6 +74,7 @@ def load_runtime(
     sample_input=None,
     min_sparsity: float = 0.5,
     verify: bool = True,
+    mmap: bool = False,
     **kwargs,
 ) -> nn.Module:
     """The model of ``ckpt`` with its pruned layers in the sparse runtime (see :func:`hf_sms.load_sparse`)."""
@@ -88,7 +89,7 @@ def load_runtime(
             model = ckpt.family.instantiate(ckpt, **kwargs)
         ckpt.family.tie_weights(model)  # outside: init_empty_weights re-creates every parameter it sees set
     ckpt.check_claims(model)  # every claimed shape against the model's, before any index is decoded
-    reads = _Prefetch(ckpt, stats, min_sparsity if layout != "dense" else 2.0)
+    reads = _Prefetch(ckpt, stats, min_sparsity if layout != "dense" else 2.0, mmap)
     try:
         # Decoded before anything else runs, not beside it: while Python code runs in this thread, a pool thread
         # gets the GIL back only a switch interval (5 ms) after each numpy call, and decoding stalls (measured:
@@ -161,8 +162,8 @@ class _Prefetch:
     which loads dense. Tensors stored dense are submitted once the model names them (:meth:`submit`).
     """
 
-    def __init__(self, ckpt: SparseCheckpoint, stats: MaskStats | None, min_sparsity: float):
-        self.ckpt, self.stats, self.min_sparsity = ckpt, stats, min_sparsity
+    def __init__(self, ckpt: SparseCheckpoint, stats: MaskStats | None, min_sparsity: float, mmap: bool = False):
+        self.ckpt, self.stats, self.min_sparsity, self.mmap = ckpt, stats, min_sparsity, mmap
         self.pool = ThreadPoolExecutor(max_workers=workers())
         self.pending: dict[str, Future] = {}
         if min_sparsity <= 1.0:
@@ -176,7 +177,9 @@ class _Prefetch:
     def _prepare(self, key: str):
         """``(nnz, shape, values, CSR or None)`` of ``key``; the index is decoded a chunk at a time, each chunk
         going to the mask digest and the CSR matrix while it is in cache."""
-        encoded = self.ckpt.read_encoded(key, mapped=True)  # the runtime keeps the values: as mapped, no copy
+        # the runtime keeps the values: a copy, so that the model never follows a file rewritten under it (mmap: as
+        # mapped, no copy)
+        encoded = self.ckpt.read_encoded(key, mapped=self.mmap)
         head, values, payload = verified(*encoded, key) if encoded is not None else (None, None, None)
         if head is None or head["codec"] == DENSE:  # every value stored, zeros included: its nonzeros
             positions, values, shape = self.ckpt.read_sparse(key)

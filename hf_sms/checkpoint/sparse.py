@@ -107,6 +107,7 @@ def load_sparse(
     runtime: str | None = None,
     sample_input=None,
     min_sparsity: float = 0.5,
+    mmap: bool = False,
     **kwargs,
 ) -> nn.Module:
     """Load a checkpoint folder written by :func:`save_sparse` (either format) or by a family's own saver.
@@ -120,6 +121,9 @@ def load_sparse(
             values, never as a dense tensor; ``"auto"`` then times each one dense vs sparse on ``sample_input``
             (one layer densified at a time) and keeps the faster. Inference only.
         sample_input, min_sparsity: as in :func:`hf_sms.to_sparse_runtime`.
+        mmap: with ``runtime``, the sparse layers' values stay mapped from the file instead of copied (no read, no
+            copy). Only for files nobody rewrites: the model's values then follow the file, and truncating it kills
+            the process (SIGBUS) when a layer runs.
         **kwargs: passed to the family's constructor (``from_pretrained`` for transformers,
             ``timm.create_model`` for timm, the model class for smp).
 
@@ -132,9 +136,11 @@ def load_sparse(
             "load it with transformers yourself (AutoModel.from_pretrained(dir, trust_remote_code=True)) if you trust "
             "it, or pass model=<template> of its architecture"
         )
+    if mmap and runtime is None:
+        raise ValueError("mmap=True maps the values of a runtime load (runtime='csr' or 'auto'); a dense load copies")
     ckpt = SparseCheckpoint(directory)
     if runtime is not None:
-        return load_runtime(ckpt, model, runtime, sample_input, min_sparsity, verify, **kwargs)
+        return load_runtime(ckpt, model, runtime, sample_input, min_sparsity, verify, mmap, **kwargs)
     if model is None:  # the shapes of the model the family builds, without its weights
         with init_empty_weights(include_buffers=False):
             ckpt.check_claims(ckpt.family.instantiate(ckpt, **kwargs))
