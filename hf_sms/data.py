@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -31,15 +32,13 @@ def split_validation(train_dataset, fraction: float, seed: int = VALIDATION_SEED
     return Subset(train_dataset, perm[n_val:]), Subset(train_dataset, perm[:n_val])
 
 
-def peek(dataset, index: int, seed: int | None = None):
-    """``dataset[index]`` under fixed seeds (``index``, or one derived from ``seed`` and ``index``), leaving every
-    global random generator as it was: reading an item with random augmentation neither changes the caller's
-    randomness nor depends on it."""
-    s = index if seed is None else derive_seed(seed, index)
+def peek(dataset, index: int):
+    """``dataset[index]`` under fixed seeds, leaving every global random generator as it was: reading an
+    item with random augmentation neither changes the caller's randomness nor depends on it."""
     state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(s), random.seed(s), np.random.seed(s)
+            torch.manual_seed(index), random.seed(index), np.random.seed(index)
             return dataset[index]
     finally:
         random.setstate(state[0])
@@ -47,17 +46,34 @@ def peek(dataset, index: int, seed: int | None = None):
 
 
 class SeededItems(Dataset):
-    """``dataset`` whose item ``i`` is read under seeds derived from ``(seed, i)``: its random augmentation is the
-    same whichever process, worker or batch reads it, so a pass shared by processes equals one process's."""
+    """``dataset`` read in batches of ``batch_size`` consecutive items, each batch under seeds derived from
+    ``(seed, its first item)``: its random augmentation is the same whichever process or loader worker reads it, so a
+    pass shared by processes equals one process's. The global generators are left seeded: save them around a pass
+    (:func:`kept_randomness`)."""
 
-    def __init__(self, dataset, seed: int):
-        self.dataset, self.seed = dataset, seed
+    def __init__(self, dataset, seed: int, batch_size: int):
+        self.dataset, self.seed, self.batch_size = dataset, seed, batch_size
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i: int):
-        return peek(self.dataset, i, self.seed)
+        if i % self.batch_size == 0:  # a loader (or worker) reads a batch's items in order, from its first
+            s = derive_seed(self.seed, i)
+            torch.default_generator.manual_seed(s), random.seed(s), np.random.seed(s)
+        return self.dataset[i]
+
+
+@contextlib.contextmanager
+def kept_randomness():
+    """Python's, numpy's and torch's CPU generators as they were before the block (also on error)."""
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
 
 
 class TensorDictDataset(Dataset):

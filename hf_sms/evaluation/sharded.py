@@ -22,7 +22,7 @@ from transformers import default_data_collator
 from transformers.trainer_utils import has_length
 
 from ..batchnorm import recalibrate_batchnorm
-from ..data import SeededItems
+from ..data import SeededItems, kept_randomness
 
 logger = logging.getLogger(__name__)
 _NOTED: set[str] = set()
@@ -118,17 +118,17 @@ def recalibrate_shared(
     loader_kwargs: dict | None = None,
 ) -> nn.Module:
     """BatchNorm recalibration (:func:`hf_sms.recalibrate_batchnorm`) over ``dataset`` in batches of ``batch_size``
-    (the first ``max_batches``), the batches dealt out to ``world``'s processes as for evaluation. Item ``i`` is read
-    under seeds derived from ``(seed, i)``, so random augmentation is the same whoever reads it, and every process
-    gets the statistics one process computes. A stream is read by the main process alone."""
+    (the first ``max_batches``), the batches dealt out to ``world``'s processes as for evaluation. Each batch is read
+    under seeds derived from ``(seed, its first item)``, so random augmentation is the same whoever reads it, and
+    every process gets the statistics one process computes. A stream is read by the main process alone."""
     world = world or OneProcess()
-    data, limit = SeededItems(dataset, seed), max_batches
+    data, limit = SeededItems(dataset, seed, batch_size), max_batches
     if not has_length(dataset):  # a stream: its batches cannot be dealt out
         data = dataset if world.is_main else []
     elif world.size > 1:
         n = len(data) if limit is None else min(len(data), limit * batch_size)
         data, limit = Subset(data, owned_batches(n, batch_size, world.rank, world.size)[1]), None
     loader = DataLoader(data, batch_size, collate_fn=collate_fn or default_data_collator, **(loader_kwargs or {}))
-    with torch.random.fork_rng():  # a stream's augmentation stays reproducible
-        torch.manual_seed(seed)
+    with kept_randomness():  # the caller's generators are left as they were
+        torch.manual_seed(seed)  # a stream's augmentation stays reproducible
         return recalibrate_batchnorm(model, loader, limit, world)

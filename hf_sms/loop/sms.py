@@ -8,15 +8,13 @@ import functools
 import logging
 import os
 import time
-import warnings
 
 import torch
-from accelerate.utils import send_to_device
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from ..batchnorm import forward_batch, has_batchnorm
+from ..batchnorm import has_batchnorm
 from ..checkpoint import load_sparse, save_sparse
 from ..checkpoint.constants import FINAL_SOUP, RESULTS_FILE, SPARSITY_NAME
 from ..config import SparseSoupConfig
@@ -28,10 +26,8 @@ from ..hub import push_to_hub
 from ..methods.common import empty_step
 from ..phase import PhaseResult, PhaseSpec, phase_folder
 from ..pruning.masks import PruningStep, phase_sparsities, prune
-from ..pruning.prunable import accepts_labels
-from ..pruning.structures import is_unit_structure
 from ..registry import BASELINES, PRUNING_METHODS
-from ..runtime.speed import describe_input, measure_shrunk_speedup, measure_speedup
+from ..runtime.speed import measure_model
 from ..seeding import derive_seed
 from ..soup.soup import soup
 from ..trainer import SparseSoupTrainer
@@ -129,6 +125,7 @@ class SparseModelSoup:
         self.run_dir = RunDirectory(
             args.output_dir, fingerprint, is_main=self.world.is_main, defaults=defaults, force=args.resume == "force"
         )
+        structure = args.pruning["structure"]
         self.recorder = Recorder(
             self.results,
             self.world,
@@ -138,8 +135,8 @@ class SparseModelSoup:
             self.test_dataset,
             lambda: self.example,
             self.run_dir.path(RESULTS_FILE),
-            timer=self.measure_runtime if args.measure_speedup else None,
-            structure=args.pruning["structure"],
+            timer=(lambda m: measure_model(m, self.example, structure)) if args.measure_speedup else None,
+            structure=structure,
         )
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
@@ -275,20 +272,6 @@ class SparseModelSoup:
             "num_train_epochs": a.num_train_epochs,
             "max_steps": a.max_steps,
         }
-
-    def measure_runtime(self, model: nn.Module) -> dict:
-        """``model`` timed dense vs the sparse runtime on one validation batch (see :func:`measure_speedup`), or,
-        when units were pruned, vs the smaller model (:func:`measure_shrunk_speedup`)."""
-        batch = send_to_device(self.example, next(model.parameters()).device)  # once, outside the timed calls
-        if is_unit_structure(structure := self.args.pruning["structure"]):
-            return measure_shrunk_speedup(model, batch, structure=structure)
-
-        def forward(m):
-            forward_batch(m, batch, keep_labels=accepts_labels(m))
-
-        with warnings.catch_warnings():  # an early phase below the runtime's threshold: its record says 0 sparse
-            warnings.filterwarnings("ignore", message="to_sparse_runtime: no layer")
-            return measure_speedup(model, forward, description=describe_input(batch))
 
     # -- units of work ---------------------------------------------------------------------------
     def train_replica(

@@ -7,6 +7,7 @@ record names the device, threads and input it was measured with.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from ..batchnorm import forward_batch
 from ..pruning.prunable import accepts_labels
 from ..pruning.shrink import parameter_count, shrink
+from ..pruning.structures import is_unit_structure
 from .convert import to_sparse_runtime
 from .layers import weight_bytes
 from .timing import time_pair
@@ -63,6 +65,22 @@ def measure_speedup(
         "dense_weights_mb": round(weight_bytes(model) / 2**20, 3),
         "runtime_weights_mb": round(weight_bytes(runtime) / 2**20, 3),
     }
+
+
+def measure_model(model: nn.Module, batch, structure: str | None = None) -> dict:
+    """What a run records of a model that can be its result: timed on ``batch`` dense vs the sparse runtime
+    (:func:`measure_speedup`), or, when ``structure`` prunes units, vs the smaller model
+    (:func:`measure_shrunk_speedup`)."""
+    batch = send_to_device(batch, next(model.parameters()).device)  # once, outside the timed calls
+    if structure is not None and is_unit_structure(structure):
+        return measure_shrunk_speedup(model, batch, structure=structure)
+
+    def forward(m):
+        forward_batch(m, batch, keep_labels=accepts_labels(m))
+
+    with warnings.catch_warnings():  # an early phase below the runtime's threshold: its record says 0 sparse
+        warnings.filterwarnings("ignore", message="to_sparse_runtime: no layer")
+        return measure_speedup(model, forward, description=describe_input(batch))
 
 
 @torch.no_grad()
