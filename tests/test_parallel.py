@@ -152,3 +152,20 @@ def test_evaluation_is_shared_by_two_and_three_processes_with_identical_values(t
         reads = [r["reads"] for r in runs[n]]
         assert sum(reads) == one["reads"]  # no example read twice
         assert max(reads) <= one["reads"] / n + 3 * 32 + 16 + 4 + 4 + 16  # a batch over a fair share, per set
+
+
+@pytest.mark.slow  # 36 s; the metrics and BatchNorm passes on 3 processes run in CI (the test above)
+def test_three_processes_give_every_row_and_diagnostic_of_one(tmp_path):
+    """m = 3 on 3 processes: every row (soups, candidates, IMP, dense), every diagnostic and the soup (its BatchNorm
+    statistics recalibrated by the three together) equal one process's."""
+    outs = {n: tmp_path / f"run{n}" for n in (1, 3)}
+    for n, out in outs.items():
+        _run(_cmd(n, "sms_digits.py", out, "--replicas", "3", "--steps", "4", "--baselines", "imp"))
+    one, three = (json.loads((outs[n] / "results.json").read_text()) for n in (1, 3))
+    assert untimed(one["rows"]) == untimed(three["rows"]) and one["dense"] == three["dense"]
+    for a, b in zip(one["sms"], three["sms"], strict=True):
+        same = ("candidates_val", "candidates_test", "ensemble_val", "ensemble_test", "disagreement_val")
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    soups = [_soup(outs[n]) for n in (1, 3)]
+    assert all(torch.equal(soups[0][k], soups[1][k]) for k in soups[0] if "running" in k)
+    assert _max_diff(*soups) <= 1e-6
