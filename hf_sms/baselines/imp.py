@@ -19,7 +19,7 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False) -> None:
     args, world = ctx.args, ctx.world
     tracks = {i: copy.deepcopy(ctx.pretrained) for i in world.owned(n_tracks)}
     masks: dict = {}
-    for p, sparsity in enumerate(ctx.results["phases"]):
+    for p, sparsity in enumerate(ctx.phases):
         hparams = []
         for i in range(n_tracks):
             h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))

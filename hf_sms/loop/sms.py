@@ -110,7 +110,8 @@ class SparseModelSoup:
         if compute_loss_func is not None:
             self.trainer_kwargs["compute_loss_func"] = compute_loss_func
         self.collate = data_collator or default_data_collator
-        self.results: dict = {"phases": phase_sparsities(args.target_sparsity, args.n_phases), "rows": {}, "sms": []}
+        self.results: dict = {"rows": {}, "sms": []}
+        self.set_phases(phase_sparsities(args.target_sparsity, args.n_phases))
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
         check_model(args, model)
@@ -140,6 +141,11 @@ class SparseModelSoup:
         )
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
+    def set_phases(self, sparsities: list[float]) -> None:
+        """The plan: the sparsity after each phase (a method that prunes during training sets its own). The run
+        reads ``self.phases``; results.json records it."""
+        self.phases, self.results["phases"] = list(sparsities), list(sparsities)
+
     def run(self) -> nn.Module:
         """Run SMS (one trajectory per soup method) or a pruning-during-training method, then the baselines;
         returns the final soup of the first method. Results are in ``self.results``."""
@@ -185,7 +191,7 @@ class SparseModelSoup:
         """Algorithm 1 with ``method`` as Merge: every phase starts from the previous phase's ``method`` soup."""
         a = self.args
         model, masks = copy.deepcopy(self.pretrained), None
-        for p, sparsity in enumerate(self.results["phases"]):
+        for p, sparsity in enumerate(self.phases):
             # Phase 1 starts from the same pruned model in every trajectory: its replicas are trained once.
             folder = phase_folder("sms" if p == 0 or method == a.merge_methods[0] else f"sms-{method}", p)
             hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
@@ -263,7 +269,7 @@ class SparseModelSoup:
         a = self.args
         n = range(a.n_phases)
         return {
-            "phases": self.results["phases"],
+            "phases": self.phases,
             "m": [a.phase_replicas(p) for p in n],
             "replicas": [a.replica_overrides(p) for p in n],
             "merge_method": a.merge_methods[0],

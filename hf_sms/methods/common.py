@@ -25,7 +25,8 @@ class MethodContext(Protocol):
 
     args: object  # the run's SparseSoupConfig
     world: object  # the ReplicaWorld: who trains what, gathers
-    results: dict  # phases, rows, sms diagnostics
+    phases: list  # the plan: sparsity after each phase
+    results: dict  # what the run records: phases, rows, sms diagnostics
     recorder: object  # the Recorder: measure(model), row(method, phase, measured), sms(method, p, sparsity, result)
     run_dir: object  # the RunDirectory: path(name)
     pretrained: nn.Module
@@ -36,6 +37,8 @@ class MethodContext(Protocol):
     def run_phase(self, spec) -> object: ...  # a PhaseSpec -> PhaseResult (hf_sms.phase)
 
     def train_single(self, start: nn.Module, args, name: str, callbacks=(), total_steps=None, **trainer_kwargs): ...
+
+    def set_phases(self, sparsities: list) -> None: ...  # a method that prunes during training sets its own plan
 
     def recalibrate(self, model: nn.Module, world=None) -> nn.Module: ...  # world: who shares the pass
 

@@ -207,12 +207,12 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
     start = sms_start_step(ctx, total)
     sms = [p for p in phases[1:] if p[0] >= start] if a.num_replicas > 1 else []
     split = sms[0][0] if sms else total  # the plain method runs uninterrupted up to here
-    ctx.results["phases"] = [s for _, _, s in sms] or [a.target_sparsity]
+    ctx.set_phases([s for _, _, s in sms] or [a.target_sparsity])
     plain = single(a, max_steps=split, seed=derive_seed(a.seed, name, 0, 0))
     model = ctx.train_single(ctx.pretrained, plain, f"{name}/plain", total_steps=total, **plain_kwargs(bool(sms)))
     if not sms:
         model = ctx.recalibrate(model)  # as every soup is, so that comparisons are fair (docs/method.md §5)
-        ctx.recorder.row(name, len(ctx.results["phases"]) - 1, ctx.recorder.measure(model, timed=True, shared=True))
+        ctx.recorder.row(name, len(ctx.phases) - 1, ctx.recorder.measure(model, timed=True, shared=True))
         return model
     masks, result = (None if dense_phases else masks_from_model(model)), None
     for p, (begin, end, sparsity) in enumerate(sms):
