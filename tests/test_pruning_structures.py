@@ -395,16 +395,32 @@ with torch.no_grad():
 """)
 
 
-def test_sms_with_neurons_gives_a_plain_smaller_timm_vit(tmp_path):
+def make_maxvit(seed: int = 0):
+    import timm
+
+    torch.manual_seed(seed)  # two stage widths: the MLPs keep one expand ratio of their own block's width
+    tiny = {"embed_dim": (8, 16, 16, 16), "depths": (1, 1, 1, 1), "stem_width": 8, "transformer_dim_head": 4}
+    return timm.create_model("maxvit_rmlp_nano_rw_256", pretrained=False, img_size=32, num_classes=4, **tiny)
+
+
+@pytest.mark.parametrize(("make", "size", "first_mlp"), [
+    (make_vit, 16, "blocks.0.mlp.fc1"),
+    (make_maxvit, 32, "stages.0.blocks.0.attn_block.mlp.fc1"),
+], ids=["vit", "maxvit"])  # fmt: skip
+def test_sms_with_neurons_gives_a_plain_smaller_timm_model(tmp_path, make, size, first_mlp):
+    """timm's ViT (``mlp_ratio``) and MaxViT (``transformer_expand_ratio``; its relative-position MLPs keep their
+    units, no argument states their width): the final soup is a smaller model timm alone loads."""
     from conftest import sms_config
 
     from hf_sms.evaluation import ClassificationAccuracy
 
     g = torch.Generator().manual_seed(6)
-    data = [{"x": torch.randn(3, 16, 16, generator=g), "labels": torch.tensor(i % 4)} for i in range(24)]
+    data = [{"x": torch.randn(3, size, size, generator=g), "labels": torch.tensor(i % 4)} for i in range(24)]
     args = sms_config(tmp_path, structure="neurons", target_sparsity=0.5, n_phases=1, max_steps=2,
                       per_device_train_batch_size=8)  # fmt: skip
-    soup, _ = hf_sms.run_sms(make_vit(), args, data[:16], ClassificationAccuracy(), eval_dataset=data[16:])
+    dense = make()
+    width = dense.get_submodule(first_mlp).out_features
+    soup, _ = hf_sms.run_sms(dense, args, data[:16], ClassificationAccuracy(), eval_dataset=data[16:])
     folder = tmp_path / "run" / "final_soup"
     batch = torch.stack([r["x"] for r in data[:4]])
     torch.save({"batch": batch, "expected": _output(soup, batch)}, tmp_path / "io.pt")
@@ -413,5 +429,5 @@ m = timm.create_model('local-dir:{folder}', pretrained=True).eval()
 io = torch.load({str(tmp_path / "io.pt")!r})
 with torch.no_grad():
     torch.testing.assert_close(m(io['batch']), io['expected'], rtol=1e-4, atol=1e-5)
-assert m.blocks[0].mlp.fc1.out_features == 12
+assert m.get_submodule({first_mlp!r}).out_features == {width // 2}
 """)

@@ -623,7 +623,7 @@ def test_a_runtime_model_does_not_follow_its_file_unless_mapped_on_request(tmp_p
     assert torch.equal(out(mapped), before)
     f = SafetensorsFile(str(path))
     with open(path, "r+b") as w:  # every stored value of every encoded weight rewritten in place
-        for key, (dtype, shape, begin, end) in f.entries.items():
+        for key, (dtype, shape, begin, _) in f.entries.items():
             if key + ".sp_index" in f.entries:
                 w.seek(f.data_start + begin)
                 w.write(torch.full(shape, 7.0, dtype=dtype).numpy().tobytes())

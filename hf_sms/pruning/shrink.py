@@ -41,9 +41,11 @@ def _kept_units(model: nn.Module, groups: list[UnitGroup]) -> list[torch.Tensor]
     for i, g in enumerate(groups):
         by_field.setdefault(tuple(sorted(g.config)) or ("", i), []).append(i)
     for members in by_field.values():
-        need = max(max(int(keep[i].sum()) for i in members), 1)  # never a layer of width 0
-        for i in members:
-            missing = need - int(keep[i].sum())
+        # the config value the group that keeps most needs (units times units per count), never a width of 0
+        per = [next(iter(groups[i].config.values()), 1) for i in members]
+        need = max(max(int(keep[i].sum()), 1) * p for i, p in zip(members, per))
+        for i, p in zip(members, per):
+            missing = math.ceil(need / p - 1e-6) - int(keep[i].sum())
             if missing > 0:
                 keep[i] = keep[i].clone()
                 keep[i][(~keep[i]).nonzero().flatten()[:missing]] = True
@@ -63,14 +65,14 @@ def _resize(layer: nn.Module) -> None:
         layer.embedding_dim = w.shape[1]
 
 
-def _set_config(model: nn.Module, field: str, value: int) -> None:
-    if field == "mlp_ratio" and hasattr(model, "_model_args"):  # timm ViT: the factory argument save_for_hf writes
-        ratio = value / model.embed_dim
-        if int(model.embed_dim * ratio) != value:  # the factory's int() must give the width back
+def _set_config(model: nn.Module, field: str, n: int, per_unit: float) -> None:
+    if hasattr(model, "_model_args"):  # timm: the factory argument save_for_hf writes, a ratio of the block width
+        dim, ratio = round(1 / per_unit), n * per_unit
+        while int(dim * ratio) < n:  # the factory's int() must give the width back
             ratio = math.nextafter(ratio, math.inf)
-        model._model_args = {**model._model_args, "mlp_ratio": ratio}
+        model._model_args = {**model._model_args, field: ratio}
     else:
-        setattr(model.config, field, value)
+        setattr(model.config, field, round(n * per_unit))
 
 
 def _cut(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor]) -> None:
@@ -93,7 +95,7 @@ def _cut(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor]) ->
             for attribute, per_unit in attributes.items():
                 setattr(module, attribute, n * per_unit)
         for field, per_unit in g.config.items():
-            _set_config(model, field, n * per_unit)
+            _set_config(model, field, n, per_unit)
     for name in layers:
         _resize(model.get_submodule(name))
 

@@ -86,7 +86,8 @@ class UnitGroup:
         kind: ``"filters"``, ``"neurons"`` or ``"heads"``.
         name: where they are (a module name, or what several layers share, e.g. T5's encoder self-attention).
         config: ``{config field: units per count}``: how the family's config counts the units that remain
-            (T5's ``d_ff`` counts neurons; LLaMA's ``num_attention_heads`` counts query heads per kv group).
+            (T5's ``d_ff`` counts neurons; LLaMA's ``num_attention_heads`` counts query heads per kv group; timm's
+            ``mlp_ratio`` counts them per unit of the block's width, ``1 / dim``).
         modules: ``{module name: {attribute: units per count}}`` that count them in the modules (T5's ``n_heads``).
         layers: how many layers share the units (T5's self-attention heads span a stack), for reports.
     """
@@ -95,7 +96,7 @@ class UnitGroup:
     name: str
     n_units: int
     members: tuple[Member, ...]
-    config: dict[str, int] = field(default_factory=dict)
+    config: dict[str, float] = field(default_factory=dict)
     modules: dict[str, dict[str, int]] = field(default_factory=dict)
     layers: int = 1
 
@@ -176,6 +177,21 @@ def _layer_member(model: nn.Module, name: str, names: dict[int, str], output: bo
     return members
 
 
+# timm models whose MLP width is a factory argument: hidden = int(dim * ratio), dim the block's width (fc1's input)
+_TIMM_RATIOS = {"VisionTransformer": "mlp_ratio", "MaxxVit": "transformer_expand_ratio"}
+
+
+def _timm_ratio(model: nn.Module, name: str, mlp: nn.Module) -> dict | None:
+    """``{factory argument: 1 / dim}`` of a timm ``Mlp`` whose width the model's factory argument sets (``shrink``
+    writes ``kept / dim``), ``{}`` elsewhere; ``None`` for an MLP whose width nothing can state (MaxViT's relative
+    position MLP): its units are not pruned."""
+    parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+    if type(parent).__name__ == "RelPosMlp":
+        return None
+    field = _TIMM_RATIOS.get(type(model).__name__)
+    return {field: 1 / mlp.fc1.in_features} if field else {}
+
+
 @register_structure("neurons", prunes="linear")
 def neurons(model: nn.Module, tensors: list[PrunableTensor]) -> list[UnitGroup]:
     """The hidden units of every FFN block of a known kind (T5, gated T5, GPT-2, LLaMA-style, BERT/ViT-style, timm
@@ -193,10 +209,9 @@ def neurons(model: nn.Module, tensors: list[PrunableTensor]) -> list[UnitGroup]:
                 continue
             members = tuple(m for p in parts for m in p)
             n = model.get_parameter(members[0].name).shape[members[0].dim]
-            if config_field is None and type(model).__name__ == "VisionTransformer":
-                config_field = "mlp_ratio"  # timm's ViT: hidden = int(embed_dim * mlp_ratio), see shrink
-            if all(model.get_parameter(m.name).shape[m.dim] == n for m in members):
-                groups.append(UnitGroup("neurons", module_name, n, members, {config_field: 1} if config_field else {}))
+            config = {config_field: 1} if config_field else _timm_ratio(model, module_name, module)
+            if config is not None and all(model.get_parameter(m.name).shape[m.dim] == n for m in members):
+                groups.append(UnitGroup("neurons", module_name, n, members, config))
             break
     return groups
 
