@@ -238,6 +238,30 @@ def test_layers_of_one_config_field_keep_the_same_count(tmp_path):
 
 
 # -- bad input, before any work ----------------------------------------------------------------------------------------
+def test_filters_of_a_model_fx_cannot_follow_are_refused_before_training(tmp_path):
+    """The soup of a filter-pruned model is only smaller where torch.fx follows its channels (PSPNet's does not)."""
+    from conftest import sms_config
+
+    from hf_sms.evaluation import ClassificationAccuracy
+
+    class Branchy(nn.Module):  # control flow on the data: symbolic tracing cannot follow it
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.conv(x)
+            h = h.relu() if h.mean() > 0 else h.tanh()
+            return self.fc(h.mean((2, 3)))
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(3, 8, 8, generator=g), "labels": torch.tensor(i % 4)} for i in range(16)]
+    args = sms_config(tmp_path, structure="filters", target_sparsity=0.5, n_phases=1, max_steps=2)
+    with pytest.raises(ValueError, match="structure='filters': shrink_filters needs a model torch.fx can trace"):
+        hf_sms.SparseModelSoup(Branchy(), args, data[:8], ClassificationAccuracy(), eval_dataset=data[8:])
+    assert not (tmp_path / "run").exists()
+
+
 def test_structures_that_do_not_fit_the_model_are_explained():
     with pytest.raises(ValueError, match="'heads' finds no units in TinyCNN"):
         compute_masks(make_cnn(), 0.5, structure="heads")

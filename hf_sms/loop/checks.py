@@ -10,6 +10,7 @@ from transformers.trainer_utils import has_length
 from ..data import peek
 from ..pruning.masks import resolve_pruning
 from ..pruning.prunable import prunable_tensors
+from ..pruning.structured import traced
 from ..pruning.structures import NOfM, unit_groups
 from ..registry import STRUCTURES
 
@@ -67,8 +68,9 @@ def check_model(args, model) -> None:
 
 def check_structure(args, model) -> None:
     """Raise before any work where the run's structure finds nothing to prune in ``model`` (filters in a model
-    without convs, heads in a convnet), cannot be expressed by its family (heads in GPT-2), would leave a layer
-    without units at the target, or an n:m pattern fits no layer."""
+    without convs, heads in a convnet), cannot be expressed by its family (heads in GPT-2), cannot be cut out of it
+    (filters where torch.fx cannot follow the channels), would leave a layer without units at the target, or an
+    n:m pattern fits no layer."""
     pruning = resolve_pruning(args.allocation, args.structure, args.criterion)
     tensors = prunable_tensors(model)
     structure = STRUCTURES.get(pruning.structure)
@@ -91,6 +93,14 @@ def check_structure(args, model) -> None:
             "sparsity 0. Use a structure the model has (e.g. 'filters' for convnets, 'neurons' for transformers) "
             "or 'unstructured'"
         )
+    if any(g.kind == "filters" for g in groups):  # the soup is only smaller if fx can follow the channels
+        try:
+            traced(model)
+        except NotImplementedError as e:
+            raise ValueError(
+                f"structure={pruning.structure!r}: {e}. The final soup could not be made smaller; use "
+                "structure='unstructured' (or 'n:m'), or a model torch.fx can trace"
+            ) from None
     for g in groups:
         if g.n_units - round(args.target_sparsity * g.n_units) < 1:
             raise ValueError(

@@ -150,15 +150,21 @@ def _space_of(node: fx.Node, module: nn.Module | None, calls: int, env: dict, sp
     return g.new(pinned=True)
 
 
-@torch.no_grad()
-def _analyse(model: nn.Module, example_inputs) -> tuple[fx.GraphModule, dict, _Graph]:
+def traced(model: nn.Module) -> fx.GraphModule:
+    """``model``'s torch.fx graph, which :func:`shrink_filters` follows channels through; ``NotImplementedError``
+    saying so where fx cannot trace it."""
     try:
-        gm = fx.symbolic_trace(model)
+        return fx.symbolic_trace(model)
     except Exception as err:
         raise NotImplementedError(
             f"shrink_filters needs a model torch.fx can trace (plain convnets, hf_sms.demo.DigitsResNet, timm "
-            f"ResNets); tracing {type(model).__name__} failed: {err}"
+            f"ResNets); tracing {type(model).__name__} failed: {str(err)[:300]}"
         ) from err
+
+
+@torch.no_grad()
+def _analyse(model: nn.Module, example_inputs) -> tuple[fx.GraphModule, dict, _Graph]:
+    gm = traced(model)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if isinstance(example_inputs, Mapping):
         args = [example_inputs[n.target] for n in placeholders]
