@@ -291,7 +291,7 @@ def test_a_timing_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypat
 
     from conftest import sms_config
 
-    import hf_sms.loop.sms
+    import hf_sms.runtime.speed
     from hf_sms import run_sms
     from hf_sms.cli import main
     from hf_sms.data import load_digits_splits
@@ -301,7 +301,7 @@ def test_a_timing_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel today")
 
-    monkeypatch.setattr(hf_sms.loop.sms, "measure_speedup", broken)
+    monkeypatch.setattr(hf_sms.runtime.speed, "measure_speedup", broken)
     train, val, _ = load_digits_splits(seed=0)
     _, results = run_sms(DigitsResNet(width=4), sms_config(tmp_path, max_steps=2), train, ClassificationAccuracy(),
                          eval_dataset=val)  # fmt: skip

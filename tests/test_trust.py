@@ -635,3 +635,38 @@ def test_a_runtime_model_does_not_follow_its_file_unless_mapped_on_request(tmp_p
     assert torch.equal(out(copied), before)  # no SIGBUS: nothing of the file is used after loading
     with pytest.raises(ValueError, match="mmap=True maps the values of a runtime load"):
         load_sparse(tmp_path / "t5", mmap=True)
+
+
+def test_a_runtime_model_copies_and_runs_under_autocast_and_refuses_a_dtype_it_cannot_compute_in():
+    """Case 19: copy.deepcopy, .to(torch.bfloat16) and CPU autocast(bfloat16) of a runtime model gave raw errors."""
+    import copy
+
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_sms import prune, to_sparse_runtime
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, tie_word_embeddings=True)
+    model = T5ForConditionalGeneration(config).eval()
+    prune(model, 0.9)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "decoder_input_ids": ids}
+    runtime = to_sparse_runtime(copy.deepcopy(model), "csr", batch, min_sparsity=0.0)
+    assert type(runtime.lm_head).__name__ == "SparseLinear"
+    with torch.no_grad():
+        expected = runtime(**batch).logits
+        twin = copy.deepcopy(runtime)
+        assert twin.lm_head.weight is not runtime.lm_head.weight  # its own sparse weights
+        assert twin.lm_head.weight is twin.shared.weight  # ties kept inside the copy
+        torch.testing.assert_close(twin(**batch).logits, expected)
+        runtime.lm_head.weight.values().zero_()
+        torch.testing.assert_close(twin(**batch).logits, expected)  # independent of the original
+        with torch.autocast("cpu", torch.bfloat16):  # the sparse layers compute in float32 inside it
+            torch.testing.assert_close(twin(**batch).logits.float(), expected, rtol=0.1, atol=0.1)
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half()):
+        with pytest.raises(ValueError, match="cannot become torch.(bfloat16|float16) on cpu: torch's CSR product"):
+            cast(twin)
+        assert {p.dtype for p in twin.parameters()} == {torch.float32}  # refused before any module changed
+        assert twin.shared.weight is twin.lm_head.weight and twin.shared.weight.dtype == torch.float32
+    torch.testing.assert_close(twin(**batch).logits, expected)
+    assert twin.double()(**batch).logits.dtype == torch.float64  # a dtype the CSR product takes

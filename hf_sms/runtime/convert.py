@@ -10,6 +10,7 @@ both ways at the end and left dense if the runtime were slower. The decisions an
 from __future__ import annotations
 
 import logging
+import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -28,6 +29,7 @@ from .layers import (
     check_csr_dtype,
     check_semi_structured,
     dense_module,
+    guarded_apply,
     has_csr_kernel,
     has_sparse_product,
     is_two_four,
@@ -313,6 +315,8 @@ def finish(model, report, swaps: dict[str, Swap], sample_input, margin, repeats,
         _time_whole_model(model, swaps, by_name, report, sample_input, repeats, device)
     for p in model.parameters():
         p.requires_grad_(False)
+    if not isinstance(model, _InferenceOnly):  # a bound method: copy.deepcopy rebinds it to the copy
+        model._apply = types.MethodType(guarded_apply, model)
     model.eval()
 
 

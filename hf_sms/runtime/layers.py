@@ -8,6 +8,9 @@ inference only: ``.train()`` and any forward that would need a gradient raise.
 
 from __future__ import annotations
 
+import copy
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +45,28 @@ def check_csr_dtype(dtype: torch.dtype, device: torch.device) -> None:
         )
 
 
+def _copy_tensor(t: torch.Tensor | None, memo: dict) -> torch.Tensor | None:
+    if t is None or t.layout == torch.strided:
+        return t  # deep-copied with the rest
+    if id(t) not in memo:
+        clone = memo[id(t)] = t.clone()
+        memo[id(clone)] = clone  # the copied dict of buffers keeps it as it is
+    return memo[id(t)]
+
+
+def guarded_apply(model: nn.Module, fn, recurse: bool = True):
+    """A runtime model's ``_apply`` (installed on the instance): every sparse layer checks the cast before any module
+    of the model changes, so a refused ``.to(torch.bfloat16)`` leaves the whole model as it was."""
+    for module in model.modules():
+        if isinstance(module, _InferenceOnly):
+            module.check_cast(fn)
+    return type(model)._apply(model, fn, recurse)
+
+
+def _autocast_off(x: torch.Tensor):
+    return torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) else nullcontext()
+
+
 def sparse_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for a 2-D ``x`` of shape (rows, in) and a CSR ``weight`` of shape (out, in)."""
     return torch.sparse.mm(weight, x.t()).t()
@@ -57,11 +82,45 @@ class _InferenceOnly(nn.Module):
             raise RuntimeError(_TRAIN_ERROR)
         return super().train(False)
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    csr_product = False  # computes with torch's CSR matrix product (whose dtypes depend on the device)
+
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the layer computes with it: under autocast, in the weight's dtype (the sparse product runs with
+        autocast off: torch has no lower-precision CSR product on the CPU)."""
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError(_TRAIN_ERROR)
+        if torch.is_autocast_enabled(x.device.type):
+            return x.to(self.weight.dtype)
         if x.dtype != self.weight.dtype:
             raise ValueError(f"input of dtype {x.dtype} for a {self.weight.dtype} sparse layer: cast one to the other")
+        return x
+
+    def check_cast(self, fn) -> None:
+        """Raise if ``fn`` (what ``.to()``, ``.half()``... apply) would give the weight a dtype or device with no CSR
+        product: it would fail at the layer's first call."""
+        probe = fn(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device))
+        if self.csr_product and not has_csr_kernel(probe.dtype, probe.device):
+            names = ", ".join(str(d).removeprefix("torch.") for d in CSR_DTYPES.get(probe.device.type, ()))
+            raise ValueError(
+                f"a sparse runtime model cannot become {probe.dtype} on {probe.device.type}: torch's CSR product "
+                f"there takes {names or 'nothing'}. Keep it in float32 (autocast works: the sparse layers compute "
+                "in float32), or cast the masked dense model instead (load_sparse(dir) without runtime)"
+            )
+
+    def _apply(self, fn, recurse=True):
+        self.check_cast(fn)  # before this layer changes (the model's own _apply checks every layer first)
+        return super()._apply(fn, recurse)
+
+    def __deepcopy__(self, memo):
+        """A copy with its own sparse weight (``copy.deepcopy`` cannot reach a CSR tensor's storage); tied layers
+        stay tied within one copy."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key == "_buffers":
+                value = {k: _copy_tensor(b, memo) for k, b in value.items()}
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as the dense layer held it (pruned entries zero)."""
@@ -115,9 +174,12 @@ class SparseLinear(_InferenceOnly):
     def _compress(self, dense: torch.Tensor) -> torch.Tensor:
         return to_csr(dense.t() if self.transposed else dense)
 
+    csr_product = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        y = sparse_matmul(self.weight, x.reshape(-1, self.in_features))
+        x = self._check_input(x)
+        with _autocast_off(x):
+            y = sparse_matmul(self.weight, x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -163,8 +225,10 @@ class SparseConv2d(_InferenceOnly):
     def _compress(self, dense: torch.Tensor) -> torch.Tensor:
         return to_csr(dense.reshape(self.out_channels, -1))
 
+    csr_product = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        x = self._check_input(x)
         n = x.shape[0]
         if self.pointwise:
             x = x[:, :, :: self.stride[0], :: self.stride[1]]
@@ -177,7 +241,8 @@ class SparseConv2d(_InferenceOnly):
             )
             patches = F.unfold(x, self.kernel_size, self.dilation, self.padding, self.stride)  # (N, C*k*k, L)
             cols = patches.permute(1, 0, 2).reshape(patches.shape[1], -1)
-        y = torch.sparse.mm(self.weight, cols)  # (out, N*L)
+        with _autocast_off(x):
+            y = torch.sparse.mm(self.weight, cols)  # (out, N*L)
         if self.bias is not None:
             y = y + self.bias[:, None]
         return y.reshape(self.out_channels, n, h, w).permute(1, 0, 2, 3)
@@ -248,8 +313,7 @@ class SemiStructuredLinear(_InferenceOnly):
         return torch.sparse.to_sparse_semi_structured(dense.detach().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(self._check_input(x), self.weight, self.bias)
 
 
 def check_semi_structured(weight: torch.Tensor) -> None:
