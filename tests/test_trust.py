@@ -670,3 +670,42 @@ def test_a_runtime_model_copies_and_runs_under_autocast_and_refuses_a_dtype_it_c
         assert twin.shared.weight is twin.lm_head.weight and twin.shared.weight.dtype == torch.float32
     torch.testing.assert_close(twin(**batch).logits, expected)
     assert twin.double()(**batch).logits.dtype == torch.float64  # a dtype the CSR product takes
+
+
+def test_data_is_identified_by_all_of_it_where_cheap_and_run_json_says_what_was_compared(tmp_path, digits):
+    """Case 3: a stream's .take(96) instead of .take(24), more rows appended to its file, or map-style data changed
+    away from 16 sampled items resumed the old run and returned the old soup."""
+    import json
+
+    import datasets
+
+    from hf_sms.data import TensorDictDataset
+    from hf_sms.loop.run_directory import data_identity
+
+    train, val, _ = digits
+    x, labels = train.x[:200].clone(), train.labels[:200].clone()
+    changed = labels.clone()
+    changed[101] = (changed[101] + 1) % 10  # not one of the 16 items spread over 200
+    (a, how), (b, _) = (data_identity(TensorDictDataset(x, y)) for y in (labels, changed))
+    assert a != b and how == "every one of its 200 items"
+    table = datasets.Dataset.from_dict({"x": x.flatten(1).tolist(), "labels": labels.tolist()})
+    stream = table.to_iterable_dataset(num_shards=2)
+    takes = {n: data_identity(stream.take(n)) for n in (24, 96)}
+    assert takes[24][0] != takes[96][0] and "take/skip/shuffle" in takes[24][1]
+    assert data_identity(table.to_iterable_dataset(num_shards=4))[0] != data_identity(stream)[0]  # more shards
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"x": r, "labels": int(y)}) + "\n" for r, y in zip(x[:40].flatten(1).tolist(), labels[:40]))
+    )
+    before = data_identity(datasets.load_dataset("json", data_files=str(rows), split="train", streaming=True))[0]
+    with open(rows, "a") as f:
+        f.write(json.dumps({"x": x[40].flatten().tolist(), "labels": int(labels[40])}) + "\n")  # appended data
+    after = data_identity(datasets.load_dataset("json", data_files=str(rows), split="train", streaming=True))[0]
+    assert before != after
+
+    args = sms_config(tmp_path / "a", n_phases=1, max_steps=2, measure_speedup=False)
+    run_sms(_net(), args, TensorDictDataset(x, labels), ClassificationAccuracy(), eval_dataset=val)
+    record = json.loads((tmp_path / "a" / "run" / "run.json").read_text())
+    assert record["data_compared"] == {"train": "every one of its 200 items", "eval": "every one of its 144 items"}
+    with pytest.raises(ValueError, match=r"changed: \['data.train'\]"):
+        run_sms(_net(), args, TensorDictDataset(x, changed), ClassificationAccuracy(), eval_dataset=val)

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Subset
+from transformers.trainer_utils import has_length
 
 from ..checkpoint.constants import LOCK_FILE, RUN_FILE, SPARSITY_NAME, TMP_PREFIX
 from ..data import peek
@@ -63,6 +65,19 @@ def default_config(config):
         return config
 
 
+def run_fingerprint(config, model: nn.Module, splits: dict) -> tuple[dict, dict]:
+    """``(fingerprint, defaults)``: what a run's finished replicas depend on (its config, the pretrained weights,
+    each data split; run.json also says in words what each data hash covers), and the config at its defaults."""
+    data = {name: data_identity(d) for name, d in splits.items()}
+    fingerprint = {
+        "config": config_fingerprint(config),
+        "model": model_hash(model),
+        "data": {name: h for name, (h, _) in data.items()},
+        NOT_COMPARED: {name: how for name, (_, how) in data.items()},
+    }
+    return fingerprint, {"config": config_fingerprint(default_config(config))}
+
+
 def _update(h, value) -> None:
     if torch.is_tensor(value):
         t = value.detach().cpu().contiguous()
@@ -89,24 +104,59 @@ def model_hash(model: nn.Module) -> str:
 
 
 def data_hash(dataset, samples: int = 16) -> str | None:
-    """``datasets``' own fingerprint, else the length and ``samples`` items spread over the set.
+    """The hash :func:`data_identity` gives (``None``: a stream nothing identifies)."""
+    return data_identity(dataset, samples)[0]
 
-    Items are read under fixed seeds, so augmentation inside ``__getitem__`` gives the same hash each time.
-    """
+
+def data_identity(dataset, samples: int = 16) -> tuple[str | None, str]:
+    """``(hash, what it covers)`` of a data split, for run.json: every item where that is cheap (``datasets``'
+    fingerprint, in-memory tensors and lists, the indices of a subset), else the length and ``samples`` items spread
+    over the set; a stream by its source and settings (``datasets``: builder, files with their sizes, shards,
+    take/skip/shuffle) and its first ``samples`` items. Items are read under fixed seeds, so augmentation inside
+    ``__getitem__`` gives the same hash each time."""
     if dataset is None:
-        return None
+        return None, "none"
     if hasattr(dataset, "_fingerprint"):
-        return f"datasets:{dataset._fingerprint}"
+        return f"datasets:{dataset._fingerprint}", "datasets' fingerprint (every row and transform)"
     if isinstance(dataset, Mapping):  # several sets, e.g. corrupted copies of a test set
-        return hashlib.sha256(json.dumps({str(k): data_hash(v) for k, v in dataset.items()}).encode()).hexdigest()[:16]
-    try:
-        n = len(dataset)
-    except TypeError:
+        parts = {str(k): data_identity(v, samples) for k, v in dataset.items()}
+        digest = hashlib.sha256(json.dumps({k: h for k, (h, _) in parts.items()}).encode()).hexdigest()[:16]
+        return digest, "; ".join(sorted({how for _, how in parts.values()}))
+    if not has_length(dataset):
         return _stream_hash(dataset, samples)
-    h = hashlib.sha256(str(n).encode())
+    h = hashlib.sha256(str(len(dataset)).encode())
+    if isinstance(dataset, Subset):
+        inner, how = data_identity(dataset.dataset, samples)
+        _update(h, [int(i) for i in dataset.indices])
+        _update(h, inner)
+        return h.hexdigest()[:16], f"its {len(dataset)} indices into a set compared by {how}"
+    tensors = [v for v in vars(dataset).values() if torch.is_tensor(v)] if hasattr(dataset, "__dict__") else []
+    if isinstance(dataset, (list, tuple)) or (tensors and sum(t.shape[0] == len(dataset) for t in tensors)):
+        _update(h, list(dataset) if isinstance(dataset, (list, tuple)) else tensors)  # in memory: all of it
+        _update(h, [peek(dataset, i) for i in range(min(len(dataset), samples))])  # its transform, if any
+        return h.hexdigest()[:16], f"every one of its {len(dataset)} items"
+    n = len(dataset)
     for i in sorted({round(k * (n - 1) / max(samples - 1, 1)) for k in range(samples)} if n else ()):
         _update(h, peek(dataset, i))
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:16], f"its length and {min(samples, n)} of its {n} items, spread over it"
+
+
+def _describe(iterable, depth: int = 0):
+    """A ``datasets`` stream's pipeline (take/skip/shuffle/shards, each stage's settings, local files with size and
+    modification time), as plain values."""
+    if iterable is None or depth > 20:
+        return None
+    out = {"type": type(iterable).__name__}
+    for k, v in sorted(vars(iterable).items()):
+        if isinstance(v, (int, float, str, bool)) and not k.startswith("_"):
+            out[k] = v
+    kwargs = getattr(iterable, "kwargs", None)
+    if isinstance(kwargs, dict):
+        out["kwargs"] = repr(sorted(kwargs.items(), key=str))
+        files = [f for v in kwargs.values() for f in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(f, str)]
+        out["files"] = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files if os.path.isfile(f)]
+    out["inner"] = _describe(getattr(iterable, "ex_iterable", None), depth + 1)
+    return out
 
 
 def lock_folder(folder: str, doing: str, option: str) -> int:
@@ -124,14 +174,16 @@ def lock_folder(folder: str, doing: str, option: str) -> int:
     return fd
 
 
-def _stream_hash(dataset, samples: int) -> str | None:
-    """A stream (``IterableDataset``): what ``datasets`` says of it plus its first ``samples`` items, read under
-    fixed seeds; ``None`` if nothing identifies it (it cannot be read twice, or gives nothing)."""
+def _stream_hash(dataset, samples: int) -> tuple[str | None, str]:
+    """A stream (``IterableDataset``): what ``datasets`` says of it and its pipeline, plus its first ``samples``
+    items, read under fixed seeds; ``None`` if nothing identifies it (it cannot be read twice, or gives nothing)."""
     h = hashlib.sha256(b"stream")
-    info = getattr(dataset, "info", None)
+    info, how = getattr(dataset, "info", None), f"its first {samples} items"
     if info is not None:  # a datasets.IterableDataset: its builder, config, split and files
         _update(h, [repr(getattr(info, k, None)) for k in ("builder_name", "config_name", "version", "splits")])
-        _update(h, repr(getattr(getattr(dataset, "_ex_iterable", None), "kwargs", None)))
+        _update(h, json.dumps(_describe(getattr(dataset, "_ex_iterable", None)), default=repr))
+        _update(h, repr(getattr(dataset, "n_shards", None)))
+        how = f"its source (builder, files with size and time), shards, take/skip/shuffle settings and {how}"
     items = []
     try:
         with torch.random.fork_rng(devices=[]):
@@ -141,11 +193,13 @@ def _stream_hash(dataset, samples: int) -> str | None:
                 if len(items) == samples:
                     break
     except Exception:  # noqa: BLE001  (any failure to re-read means: not identifiable)
-        return None
+        return None, "nothing (a stream that cannot be read again)"
     if not items:
-        return None
+        return None, "nothing (a stream that gives no item)"
     _update(h, items)
-    return "stream:" + h.hexdigest()[:16]
+    if info is None:
+        how += " (a stream changed only after them resumes the old run: use a fresh --output_dir)"
+    return "stream:" + h.hexdigest()[:16], how
 
 
 class RunDirectory:
@@ -230,6 +284,7 @@ class RunDirectory:
 
 
 _ABSENT = object()
+NOT_COMPARED = "data_compared"  # run.json's plain words on what each data hash covers, never compared
 
 
 def _changed(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
@@ -238,7 +293,7 @@ def _changed(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
     behaviour); a field the old run recorded that no longer exists is ignored."""
     defaults = (defaults or {}).get("config", {})
     out = []
-    for section in sorted(set(old) | set(new)):
+    for section in sorted((set(old) | set(new)) - {NOT_COMPARED}):
         a, b = old.get(section), new.get(section)
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):

@@ -35,7 +35,7 @@ from .checks import check_inputs, check_model
 from .distributed import ReplicaWorld
 from .final_soup import save_final_soup
 from .recorder import Recorder
-from .run_directory import RunDirectory, config_fingerprint, data_hash, default_config, model_hash
+from .run_directory import RunDirectory, run_fingerprint
 
 logger = logging.getLogger("hf_sms")
 
@@ -116,13 +116,7 @@ class SparseModelSoup:
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
         check_model(args, model)
         # What training depends on; test sets are measured after it, so adding one keeps the finished replicas.
-        splits = {"train": train_dataset, "eval": eval_dataset}
-        fingerprint = {
-            "config": config_fingerprint(args),
-            "model": model_hash(model),
-            "data": {name: data_hash(d) for name, d in splits.items()},
-        }
-        defaults = {"config": config_fingerprint(default_config(args))}
+        fingerprint, defaults = run_fingerprint(args, model, {"train": train_dataset, "eval": eval_dataset})
         self.run_dir = RunDirectory(
             args.output_dir, fingerprint, is_main=self.world.is_main, defaults=defaults, force=args.resume == "force"
         )
