@@ -375,6 +375,31 @@ def test_quantizer_is_registered_once():
     assert AUTO_QUANTIZER_MAPPING["hf-sms-sparse"] is transformers_integration.SparseCheckpointQuantizer
 
 
+def test_plain_transformers_says_how_to_load_a_bitmask_folder_and_older_folders_still_load(t5_dir, tmp_path):
+    """Without hf_sms imported, transformers' own warning names the fix; folders written with the short name of the
+    quantization method (before the warning said more) still load."""
+    import shutil
+
+    from transformers import AutoModelForSeq2SeqLM
+
+    code = (
+        "from transformers import AutoModelForSeq2SeqLM\n"
+        f"try:\n    AutoModelForSeq2SeqLM.from_pretrained({str(t5_dir)!r})\nexcept Exception:\n    pass"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    said = "Unknown quantization type, got hf-sms-sparse, loaded after `import hf_sms` (pip install hf-sms)"
+    assert said in out.stderr + out.stdout
+    old = tmp_path / "old"
+    shutil.copytree(t5_dir, old)
+    config = json.loads((old / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "hf-sms-sparse"
+    (old / "config.json").write_text(json.dumps(config))
+    model = AutoModelForSeq2SeqLM.from_pretrained(str(old))
+    for name, tensor in load_sparse(str(t5_dir)).state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
 def test_trainer_final_save_is_a_sparse_checkpoint(make_args, t5_dataset, byt5_tokenizer, tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 

@@ -16,7 +16,10 @@ FORMATS = ("bitmask", "dense")
 # One version for everything on disk: the index header, sparsity.json, the quantization_config and the
 # safetensors metadata. Readers refuse a newer version instead of misreading it.
 FORMAT_VERSION = 1
-QUANT_METHOD = "hf-sms-sparse"
+# Also the text of transformers' warning when hf_sms is not imported ("Unknown quantization type, got ..."), so it
+# says how to load the folder; folders written before carry the short name, still registered.
+QUANT_METHOD = "hf-sms-sparse, loaded after `import hf_sms` (pip install hf-sms)"
+QUANT_METHODS = (QUANT_METHOD, "hf-sms-sparse")
 
 # Files a save replaces in an existing folder, and a merge does not copy from its first input.
 _WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", SPARSITY_NAME)

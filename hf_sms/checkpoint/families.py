@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..registry import Registry
-from .constants import CONFIG_NAME, FORMAT_VERSION, QUANT_METHOD, WEIGHTS_NAME
+from .constants import CONFIG_NAME, FORMAT_VERSION, QUANT_METHOD, QUANT_METHODS, WEIGHTS_NAME
 from .folder import read_json, write_json
 from .state import load_into, unique_tensors
 
@@ -83,7 +83,7 @@ class Family:
         """``config.json`` for ``fmt``: with (bitmask) or without (dense) hf-sms's quantization_config."""
         if not self.transformers_loadable:
             return config
-        if (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
+        if (config.get("quantization_config") or {}).get("quant_method") in QUANT_METHODS:
             del config["quantization_config"]
         if fmt == "bitmask":
             config["quantization_config"] = {

@@ -29,7 +29,7 @@ from transformers.quantizers.auto import (
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .codec import decode_tensor
-from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD
+from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
 from .folder import checkpoint_file
 from .prefetch import Prefetcher
 from .safetensors_io import SafetensorsFile
@@ -204,8 +204,10 @@ class SparseCheckpointQuantizer(HfQuantizer):
 
 
 def register() -> None:
-    """Register the ``hf-sms-sparse`` quantization method with transformers; repeated calls do nothing."""
-    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-        register_quantization_config(QUANT_METHOD)(SparseCheckpointConfig)
-    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
-        register_quantizer(QUANT_METHOD)(SparseCheckpointQuantizer)
+    """Register the ``hf-sms-sparse`` quantization method with transformers (under its name and the short one of
+    folders written before); repeated calls do nothing."""
+    for name in QUANT_METHODS:
+        if name not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+            register_quantization_config(name)(SparseCheckpointConfig)
+        if name not in AUTO_QUANTIZER_MAPPING:
+            register_quantizer(name)(SparseCheckpointQuantizer)
