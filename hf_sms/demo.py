@@ -78,8 +78,13 @@ def pretrain(model: nn.Module, train, output_dir: str, epochs: float, lr: float,
     return model
 
 
-def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
-    """Pretrain, then SMS (m=3, 3 phases to 98%) beside IMP and IMP_3x; ``quick``: a smaller setting for CI."""
+def run_demo(output_dir: str, quick: bool = False, seed: int = 0, threads: int = 1) -> dict:
+    """Pretrain, then SMS (m=3, 3 phases to 98%) beside IMP and IMP_3x; ``quick``: a smaller setting for CI.
+    ``threads``: torch's intra-op threads. One by default: the demo's layers are too small to gain from more, and
+    two threads on a two-core machine that runs anything else wait on each other (measured: docs/benchmarks.md)."""
+    if threads < 1:
+        raise ValueError(f"threads={threads}: give 1 or more")
+    torch.set_num_threads(threads)
     t0 = time.time()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("hf_sms").setLevel(logging.INFO)  # one line per phase and replica
@@ -111,14 +116,15 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0) -> dict:
     )
     runner = SparseModelSoup(model, args, train, accuracy, eval_dataset=val, test_dataset=test)
     runner.run()
-    results = {**runner.results, "seconds": round(time.time() - t0, 1), "quick": quick}
+    results = {**runner.results, "seconds": round(time.time() - t0, 1), "threads": threads, "quick": quick}
     save_results(results, os.path.join(output_dir, RESULTS_FILE))
     plot_results([results], os.path.join(output_dir, "results.png"), ylabel="accuracy (%)")
     print("\nTest accuracy (%) after each phase:\n" + format_table([results], "test"))
     # A tiny CNN on 8x8 images: layers this small are overhead-bound, so the sparse runtime may not win here;
     # the speedup report says what it gives (docs/benchmarks.md has models where it does).
     print("\n" + speedup_report([results]))
-    print(f"\n[hf-sms] wrote {output_dir}/results.json, results.png, final_soup/ in {results['seconds']:.0f} s")
+    took = f"{results['seconds']:.0f} s on {threads} thread{'s' if threads > 1 else ''}"
+    print(f"\n[hf-sms] wrote {output_dir}/results.json, results.png, final_soup/ in {took}")
     return results
 
 
@@ -127,4 +133,5 @@ def add_parser(sub) -> None:
     p.add_argument("--output-dir", default="demo-output", help="Where results.json, results.png and the soup go.")
     p.add_argument("--quick", action="store_true", help="A smaller setting (2 phases, m=2) for CI.")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=lambda a: run_demo(a.output_dir, a.quick, a.seed) and 0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small layers gain nothing more).")
+    p.set_defaults(func=lambda a: run_demo(a.output_dir, a.quick, a.seed, a.threads) and 0)

@@ -36,12 +36,16 @@ def _warmup_then_steps(warmup: float, bounds: tuple[float, ...]):
     return shape
 
 
+def _add_warmed_steps(name: str, warmup: float, bounds: tuple[float, ...]) -> None:
+    PRETRAIN_SHAPES.add(name, _warmup_then_steps(warmup, bounds), warmup=warmup)  # SLR reads the warm-up's length
+
+
 # MaxViT on ImageNet, 200 epochs: warm-up over 20, 0.2 to 60, then x0.1 at 60, 120 and 160.
-PRETRAIN_SHAPES.add("step_maxvit", _warmup_then_steps(20 / 200, (60 / 200, 120 / 200, 160 / 200)))
+_add_warmed_steps("step_maxvit", 20 / 200, (60 / 200, 120 / 200, 160 / 200))
 # PSPNet on Cityscapes, 300 epochs: warm-up over 20, 0.1 to 100, then x0.1 at 100, 200, 270 and 290.
-PRETRAIN_SHAPES.add("step_pspnet", _warmup_then_steps(20 / 300, (100 / 300, 200 / 300, 270 / 300, 290 / 300)))
+_add_warmed_steps("step_pspnet", 20 / 300, (100 / 300, 200 / 300, 270 / 300, 290 / 300))
 # T5-small on WMT16, 5 epochs: warm-up over 1, 0.1 to 2, then x0.1 at 2, 3 and 4.
-PRETRAIN_SHAPES.add("step_t5", _warmup_then_steps(1 / 5, (2 / 5, 3 / 5, 4 / 5)))
+_add_warmed_steps("step_t5", 1 / 5, (2 / 5, 3 / 5, 4 / 5))
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,11 @@ def lrw(step: int, ctx: ScheduleContext) -> float:
 
 
 def slr(step: int, ctx: ScheduleContext) -> float:
-    """Scaled restarting: the original schedule compressed into R iterations."""
-    return _with_warmup(step, ctx, ctx.lr_max, ctx.original)
+    """Scaled restarting: the original schedule compressed into R iterations, starting at eta_max. An original
+    schedule that warms up (MaxViT's, PSPNet's, T5's) runs at its peak over its warm-up part instead, as the paper's
+    code does: SLR's own warm-up replaces it, so the rate never falls back to 0 after warming up."""
+    warmup = PRETRAIN_SHAPES.meta(ctx.pretrain_shape).get("warmup", 0.0)
+    return _with_warmup(step, ctx, ctx.lr_max, lambda t: ctx.lr_max if t < warmup else ctx.original(t))
 
 
 def clr(step: int, ctx: ScheduleContext) -> float:

@@ -93,6 +93,24 @@ def test_slr_is_the_original_schedule_compressed(R, rates):
             assert rates_[w] == pytest.approx(hi)  # restarts at eta_max
 
 
+@pytest.mark.parametrize(("shape", "warmup", "first_bound"), [
+    ("step_maxvit", 20 / 200, 60 / 200), ("step_pspnet", 20 / 300, 100 / 300), ("step_t5", 1 / 5, 2 / 5),
+])  # fmt: skip
+def test_slr_on_a_schedule_that_warms_up_runs_at_the_peak_over_its_warm_up(shape, warmup, first_bound):
+    """The paper's code replaces the original warm-up with the peak: SLR warms up once, then never falls back to 0
+    (it went 0.195 -> 0.0 -> 0.022 before), and follows the original's steps after."""
+    R, hi = 200, 0.2
+    rates = lrs("slr", ScheduleContext(R, hi, pretrain_shape=shape))
+    w = math.ceil(0.1 * R)
+    assert rates[:w] == sorted(rates[:w]) and rates[w - 1] < hi  # SLR's own warm-up
+    on_peak = [r for k, r in enumerate(rates[w:], w) if after_warmup(k, R) < first_bound]
+    assert on_peak and all(r == pytest.approx(hi) for r in on_peak)  # the original's warm-up part included
+    after = [(k, r) for k, r in enumerate(rates[w:], w) if after_warmup(k, R) >= warmup]
+    ctx = ScheduleContext(R, hi, pretrain_shape=shape)
+    assert [r for _, r in after] == pytest.approx([ctx.original(after_warmup(k, R)) for k, _ in after])
+    assert min(rates[w:]) > 0
+
+
 @FAST
 @given(R=steps_st, rates=rates_st)
 def test_clr_is_cosine_from_eta_max_to_eta_min(R, rates):
