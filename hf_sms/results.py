@@ -12,6 +12,7 @@ ROW_ORDER = (
     "sms_uniform",
     "sms_greedy",
     "best_candidate",
+    "best_candidate_by_test",
     "mean_candidate",
     "ensemble",
     "imp_mx",
@@ -21,7 +22,8 @@ ROW_ORDER = (
 ROW_NAMES = {
     "sms_uniform": "SMS (uniform)",
     "sms_greedy": "SMS (greedy)",
-    "best_candidate": "best candidate",
+    "best_candidate": "best candidate (by validation)",
+    "best_candidate_by_test": "best candidate by test (the paper's row)",
     "mean_candidate": "mean candidate",
     "ensemble": "ensemble (not a single model)",
     "imp_mx": "IMP_mx",

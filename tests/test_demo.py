@@ -9,7 +9,7 @@ from hf_sms.results import format_table
 def test_demo_quick_writes_every_row(tmp_path, capsys):
     assert main(["demo", "--quick", "--output-dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    expected = {"sms_uniform", "best_candidate", "mean_candidate", "imp", "imp_mx"}
+    expected = {"sms_uniform", "best_candidate", "best_candidate_by_test", "mean_candidate", "imp", "imp_mx"}
     assert set(results["rows"]) == expected
     assert all(len(rows) == len(results["phases"]) for rows in results["rows"].values())
     assert results["phases"][-1] == 0.98

@@ -45,8 +45,16 @@ def test_run_sms_end_to_end_with_all_baselines(tmp_path, digits):
     soup, results = run_sms(pretrained, args, train, accuracy, eval_dataset=val, test_dataset=test)
 
     assert all(torch.equal(before[k], v) for k, v in pretrained.state_dict().items()), "input model was modified"
-    expected = {"sms_uniform", "sms_greedy", "best_candidate", "mean_candidate", "imp", "imp_mx", "imp_reprune"}
+    candidates = {f"{row}{suffix}" for row in ("best_candidate", "best_candidate_by_test", "mean_candidate")
+                  for suffix in ("", "_greedy")}  # fmt: skip
+    expected = {"sms_uniform", "sms_greedy", "imp", "imp_mx", "imp_reprune", *candidates}
     assert set(results["rows"]) == expected
+    for suffix in ("", "_greedy"):  # chosen on validation, and the paper's pick on test, from the same candidates
+        for by_val, by_test, diag in zip(
+            results["rows"]["best_candidate" + suffix], results["rows"]["best_candidate_by_test" + suffix],
+            [d for d in results["sms"] if d["trajectory"] == ("greedy" if suffix else "uniform")],
+        ):  # fmt: skip
+            assert by_val["val"] == max(diag["candidates_val"]) and by_test["test"] == max(diag["candidates_test"])
     targets = phase_sparsities(0.8, 2)
     for method, rows in results["rows"].items():
         assert [r["phase"] for r in rows] == [1, 2]

@@ -114,24 +114,29 @@ class Recorder:
                 _fmt(row["test"]),
             )
 
-    def sms(self, method: str, p: int, sparsity: float, result, primary: bool = True) -> None:
-        """The rows of an SMS phase (soup; best and mean candidate of the reported trajectory) and its
-        diagnostics (candidates' scores, pairwise distances, disagreement, ensemble)."""
+    def sms(self, method: str, p: int, sparsity: float, result, primary: bool = True, candidates: bool = True):
+        """The rows of an SMS phase and its diagnostics (candidates' scores, pairwise distances, disagreement,
+        ensemble). Rows: the soup; with ``candidates`` (copies scored as the soup is), the candidate with the best
+        validation score ("best candidate", what a user can pick), the one with the best test score ("best candidate
+        by test", the paper's row) and their mean, each trajectory's under its soup method's name unless
+        ``primary`` (the trajectory reported as the final soup)."""
         cands, val, soup = result.candidates, result.val, result.soup
-        group = self.world.group  # the processes holding a candidate share its test sets
-        scores = self.world.gather({i: self.test_scores(c, group)["tests"] for i, c in cands.items()})
+        scores = self.world.gather({i: self.test_scores(c, self.world.group)["tests"] for i, c in cands.items()})
         tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
         test = next(iter(tests.values()), [None] * len(val))
         self.row(f"sms_{method}", p, self.measure(soup, timed=True, shared=True), kept=result.kept)
-        if primary:  # the candidates of the trajectory reported as the final soup
-            best = max(range(len(val)), key=lambda i: val[i])  # chosen on validation, never on test
-            same_mask = ("sparsity", "speedup", "measured_speedup")  # the soup's: its mask is theirs
+        if candidates:
+            suffix = "" if primary else f"_{method}"
             soup_row = self.results["rows"][f"sms_{method}"][-1]
-            same = {k: soup_row[k] for k in (*same_mask, "units") if k in soup_row}
-            picked = {"val": val[best], "test": test[best], "tests": {n: v[best] for n, v in tests.items()}}
-            self.row("best_candidate", p, {**same, **picked}, index=best)
+            same = {k: soup_row[k] for k in ("sparsity", "speedup", "measured_speedup", "units") if k in soup_row}
+            picks = {"best_candidate": max(range(len(val)), key=lambda i: val[i])}  # on validation, never on test
+            if None not in test:
+                picks["best_candidate_by_test"] = max(range(len(val)), key=lambda i: test[i])
+            for name, i in picks.items():
+                picked = {"val": val[i], "test": test[i], "tests": {n: v[i] for n, v in tests.items()}}
+                self.row(name + suffix, p, {**same, **picked}, index=i)
             mean = {"val": _mean(val), "test": _mean(test), "tests": {n: _mean(v) for n, v in tests.items()}}
-            self.row("mean_candidate", p, {**same, **mean})
+            self.row("mean_candidate" + suffix, p, {**same, **mean})
         numel = sum(t.numel() for t in soup.parameters())
         diag = {
             "phase": p + 1,

@@ -247,7 +247,7 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
         else:
             masks = result.masks
         # DPF's copies are dense: their rows would pair dense scores with the soup's sparsity (only the soup's kept)
-        ctx.recorder.sms(a.merge_methods[0], p, sparsity, result, primary=not dense_phases)
+        ctx.recorder.sms(a.merge_methods[0], p, sparsity, result, candidates=not dense_phases)
     return result.soup
 
 
