@@ -709,3 +709,30 @@ def test_data_is_identified_by_all_of_it_where_cheap_and_run_json_says_what_was_
     assert record["data_compared"] == {"train": "every one of its 200 items", "eval": "every one of its 144 items"}
     with pytest.raises(ValueError, match=r"changed: \['data.train'\]"):
         run_sms(_net(), args, TensorDictDataset(x, changed), ClassificationAccuracy(), eval_dataset=val)
+
+
+def test_a_replica_data_parallel_over_its_group_keeps_the_runs_batch(tmp_path, digits, monkeypatch):
+    """With N = k * m processes each replica trained at k x per_device_train_batch_size; the paper retrains at the
+    pretraining batch. Now each of the k processes takes 1 / k of it; a batch k does not divide is refused."""
+    import hf_sms.loop.sms as loop
+    from hf_sms.methods.common import empty_step, total_steps
+
+    train, val, _ = digits
+    seen = {}
+
+    class Spy(loop.SparseSoupTrainer):
+        def __init__(self, model, args, **kwargs):
+            seen["per_device"] = args.per_device_train_batch_size
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loop, "SparseSoupTrainer", Spy)
+    args = sms_config(tmp_path, n_phases=1, per_device_train_batch_size=64, num_train_epochs=2, max_steps=-1)
+    runner = SparseModelSoup(_net(), args, train, ClassificationAccuracy(), eval_dataset=val)
+    steps_alone = total_steps(runner)
+    runner.world.group_size = 4  # as on N = 4 * m processes
+    with pytest.raises(RuntimeError, match="stop here"):
+        runner.train_replica(runner.pretrained, empty_step(), args, "replica")
+    assert seen["per_device"] == 16 and total_steps(runner) == steps_alone  # 4 x 16 = the run's 64, same steps
+    odd = sms_config(tmp_path / "odd", n_phases=1, per_device_train_batch_size=30)
+    with pytest.raises(ValueError, match="split 4 ways: give a batch size divisible by 4"):
+        loop.check_world(odd, runner.world)  # what the loop checks once the world exists, before any work

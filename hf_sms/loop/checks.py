@@ -107,3 +107,15 @@ def check_structure(args, model) -> None:
                 f"target_sparsity={args.target_sparsity:g} removes all {g.n_units} {g.kind} of {g.name}; a layer "
                 f"keeps at least one: use a target below {1 - 0.5 / g.n_units:.4g}"
             )
+
+
+def check_world(args, world) -> None:
+    """A replica data-parallel over a group of k processes keeps the run's batch, ``per_device_train_batch_size``
+    (the paper's: replicas retrain at the pretraining batch), split k ways: it must divide."""
+    k = world.group_size
+    if k > 1 and args.per_device_train_batch_size % k:
+        raise ValueError(
+            f"each replica trains data-parallel over {k} processes at the run's batch per_device_train_batch_size="
+            f"{args.per_device_train_batch_size}, split {k} ways: give a batch size divisible by {k}, or launch "
+            "at most num_replicas processes"
+        )

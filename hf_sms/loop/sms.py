@@ -31,7 +31,7 @@ from ..runtime.speed import measure_model
 from ..seeding import derive_seed
 from ..soup.soup import soup
 from ..trainer import SparseSoupTrainer
-from .checks import check_inputs, check_model
+from .checks import check_inputs, check_model, check_world
 from .distributed import ReplicaWorld
 from .final_soup import save_final_soup
 from .recorder import Recorder
@@ -113,6 +113,7 @@ class SparseModelSoup:
         self.results: dict = {"rows": {}, "sms": []}
         self.set_phases(phase_sparsities(args.target_sparsity, args.n_phases))
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
+        check_world(args, self.world)
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
         check_model(args, model)
         # What training depends on; test sets are measured after it, so adding one keeps the finished replicas.
@@ -318,7 +319,10 @@ class SparseModelSoup:
             self.world.rank,
             self.world.size,
         )
-        args = dataclasses.replace(args, output_dir=folder, push_to_hub=False)  # only the final soup is pushed
+        # only the final soup is pushed; a replica data-parallel over its group of k keeps the run's batch (the paper's)
+        k = self.world.group_size
+        batch = args.per_device_train_batch_size // k
+        args = dataclasses.replace(args, output_dir=folder, push_to_hub=False, per_device_train_batch_size=batch)
         group = {"process_group": self.world.subgroup} if self.world.subgroup is not None else {}
         kwargs = {**self.trainer_kwargs, "callbacks": self.trainer_kwargs["callbacks"] + list(callbacks)}
         trainer = SparseSoupTrainer(

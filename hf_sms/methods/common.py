@@ -46,13 +46,12 @@ class MethodContext(Protocol):
 
 
 def total_steps(ctx: MethodContext) -> int:
-    """Optimizer steps in the budget: ``max_steps``, else ``num_train_epochs`` of this replica's shard."""
+    """Optimizer steps in the budget: ``max_steps``, else ``num_train_epochs`` of one replica."""
     a = ctx.args
     if a.max_steps > 0:
         return a.max_steps
-    per_epoch = steps_per_epoch(
-        len(ctx.train_dataset), a.per_device_train_batch_size, ctx.world.group_size, a.gradient_accumulation_steps
-    )
+    # a replica's batch is per_device_train_batch_size on any number of processes (split over its group)
+    per_epoch = steps_per_epoch(len(ctx.train_dataset), a.per_device_train_batch_size, 1, a.gradient_accumulation_steps)
     return round(a.num_train_epochs * per_epoch)
 
 
