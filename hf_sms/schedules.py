@@ -22,6 +22,8 @@ PRETRAIN_SHAPES.add("step", lambda u, hi, lo: hi * (1.0 if u < 0.5 else 0.1 if u
 # The paper's ResNet-18 / CIFAR-10 pretraining: x0.1 at epochs 90 and 180 of 200.
 PRETRAIN_SHAPES.add("step_cifar", lambda u, hi, lo: hi * (1.0 if u < 0.45 else 0.1 if u < 0.9 else 0.01))
 PRETRAIN_SHAPES.add("constant", lambda u, hi, lo: hi)
+# The paper's ablations (WRN-20 on CIFAR-100, 200 epochs): 0.1, then x0.2 at epochs 60, 120 and 160.
+PRETRAIN_SHAPES.add("step_ablation", lambda u, hi, lo: hi * 0.2 ** sum(u >= b for b in (0.3, 0.6, 0.8)))
 
 
 def _warmup_then_steps(warmup: float, bounds: tuple[float, ...]):

@@ -308,3 +308,7 @@ def test_the_papers_pretraining_step_schedules():
     # T5 (5 epochs, peak 0.1): warm-up over the first, then 0.1, 0.01, 0.001, 0.0001
     assert at("step_t5", 0.5, 5, 0.1) == pytest.approx(0.05)
     assert [at("step_t5", t, 5, 0.1) for t in (1.5, 2.5, 3.5, 4.5)] == pytest.approx([0.1, 0.01, 0.001, 1e-4])
+    # the ablations' WRN-20 (200 epochs, peak 0.1): x0.2 at 60, 120 and 160
+    assert [at("step_ablation", t, 200, 0.1) for t in (0, 59, 60, 119, 120, 160, 199)] == pytest.approx(
+        [0.1, 0.1, 0.02, 0.02, 0.004, 0.0008, 0.0008]
+    )
