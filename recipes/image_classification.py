@@ -30,6 +30,7 @@ from hf_sms.scripts import (
     load_splits,
     parse_args,
     prepared_splits,
+    public_weights_note,
     stack_collate,
 )
 from hf_sms.smoke import smoke_imagefolder, smoke_imagenet_c
@@ -97,6 +98,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, ood_args: OODArgu
     if ood_args.ood:  # ImageNet-C (--ood_dir) or corruptions made on the fly: accuracy per corruption and severity
         evaluate = timm.data.create_transform(**data_cfg, is_training=False)
         tests["ood"] = ood_args.test_set(raw[data_args.test_split], data_args, evaluate, accuracy, args.seed)
+    notes = {"notes": [public_weights_note(f"timm/{model_args.model_name}")]} if model_args.pretrained else {}
     runner = SparseModelSoup(
         model,
         args,
@@ -106,7 +108,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, ood_args: OODArgu
         test_dataset=tests,
         data_collator=stack_collate,
         compute_loss_func=loss,
-        model_card={"base_model": f"timm/{model_args.model_name}", "datasets": data_args.hub_datasets},
+        model_card={"base_model": f"timm/{model_args.model_name}", "datasets": data_args.hub_datasets, **notes},
     )
     runner.run()
     finish(runner)

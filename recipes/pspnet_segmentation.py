@@ -25,6 +25,7 @@ from hf_sms.scripts import (
     load_splits,
     parse_args,
     prepared_splits,
+    public_weights_note,
     stack_collate,
 )
 from hf_sms.smoke import smoke_segmentation
@@ -84,6 +85,9 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
     args.remove_unused_columns = False  # the transform makes the columns forward() takes
     miou = MeanIoU(model_args.num_classes, batch_size=args.per_device_eval_batch_size, collate_fn=stack_collate)
     card = {"datasets": data_args.hub_datasets}
+    if model_args.encoder_weights and not model_args.model_path:  # ImageNet weights never saw the segmentation data
+        encoder = f"{model_args.encoder_name} encoder ({model_args.encoder_weights})"
+        card["notes"] = [public_weights_note(encoder, saw_validation=False)]
     runner = SparseModelSoup(
         model, args, train, miou, eval_dataset=val, test_dataset=test, data_collator=stack_collate, model_card=card
     )

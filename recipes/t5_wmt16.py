@@ -23,7 +23,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSe
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
 from hf_sms.evaluation import BleuMetric
-from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits
+from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, public_weights_note
 from hf_sms.smoke import smoke_translation
 
 # The paper's WMT16 EN-DE; soups are selected on 10% of the training data (validation_fraction), as the paper does.
@@ -75,6 +75,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
 
     train, val, test = prepared_splits(raw, prepare, args, data_args)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model)
+    public = not os.path.isdir(model_args.model_name_or_path)  # a Hub id: public weights, e.g. t5-small
+    notes = {"notes": [public_weights_note(model_args.model_name_or_path)]} if public else {}
     bleu = BleuMetric(tokenizer, model_args.max_target_length, model_args.num_beams, collate_fn=collator)
     runner = SparseModelSoup(
         model,
@@ -85,7 +87,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
         test_dataset=test,
         data_collator=collator,
         processing_class=tokenizer,
-        model_card={"base_model": model_args.model_name_or_path, "datasets": data_args.hub_datasets},
+        model_card={"base_model": model_args.model_name_or_path, "datasets": data_args.hub_datasets, **notes},
     )
     runner.run()
     finish(runner)

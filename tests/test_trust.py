@@ -736,3 +736,25 @@ def test_a_replica_data_parallel_over_its_group_keeps_the_runs_batch(tmp_path, d
     odd = sms_config(tmp_path / "odd", n_phases=1, per_device_train_batch_size=30)
     with pytest.raises(ValueError, match="split 4 ways: give a batch size divisible by 4"):
         loop.check_world(odd, runner.world)  # what the loop checks once the world exists, before any work
+
+
+def test_a_run_from_public_weights_says_so_in_its_output_and_card(tmp_path, digits, caplog):
+    """Recipes starting from public weights (ResNet-50, MaxViT, T5, PSPNet's encoder) note that the validation split
+    was in those weights' training data and that pretrain_* describe a training that did not run here."""
+    import json
+    import logging
+
+    from hf_sms.scripts import public_weights_note
+
+    train, val, _ = digits
+    note = public_weights_note("timm/resnet50.a1_in1k")
+    assert "validation split held out here was in the training data" in note and "pretrain_*" in note
+    assert "validation split" not in public_weights_note("resnet50 encoder (imagenet)", saw_validation=False)
+    args = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False)
+    with caplog.at_level(logging.WARNING, logger="hf_sms"):
+        run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val, model_card={"notes": [note]})
+    assert any(note in r.getMessage() for r in caplog.records)  # said in the run's output
+    soup = tmp_path / "run" / "final_soup"
+    assert json.loads((soup / "sparsity.json").read_text())["recipe"]["notes"] == [note]
+    card = (soup / "README.md").read_text()
+    assert "## Notes" in card and "was in the training data of those weights" in card

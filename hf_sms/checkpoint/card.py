@@ -274,6 +274,7 @@ def model_card(
     task: str | None = None,
     license: str | None = None,
     tags: list[str] | None = None,
+    notes: list[str] | None = None,
 ) -> str:
     """The model card (``README.md`` text) of a checkpoint folder written by :func:`hf_sms.save_sparse`.
 
@@ -286,6 +287,8 @@ def model_card(
         results, metrics, speedup, measured: what the card reports, as in :func:`card_metrics`.
         task: Hub task id for ``model-index`` (default: implied by each metric).
         license, tags: extra front matter.
+        notes: what a reader must know of the starting model (default: the recipe's ``notes``), e.g. that its
+            public weights saw the validation data.
 
     Returns:
         YAML front matter (with ``model-index`` for the soup's results) and Markdown.
@@ -337,11 +340,14 @@ def model_card(
         + (format_measured(measured) if measured else "not timed for this card; `hf-sms speed DIR` times it on yours")
         + ".",
     ]
+    notes = notes if notes is not None else recipe.get("notes")
+    if notes and isinstance(notes, list):
+        body += ["", "## Notes", "", *(f"- {_text(n)}" for n in notes)]
     if rows:
         body += ["", "## Results", "", results_table(rows)]
     if recipe:
         body += ["", "## Recipe"]
-        settings = [f"- {_text(k)}: {_cell(v)}" for k, v in recipe.items() if k not in ("phases", "shrunk")]
+        settings = [f"- {_text(k)}: {_cell(v)}" for k, v in recipe.items() if k not in ("phases", "shrunk", "notes")]
         body += ["", *settings] if settings else []
         if recipe.get("phases"):
             body += ["", "Sparsity after each pruning phase:", "", _table(_phases(recipe["phases"]))]

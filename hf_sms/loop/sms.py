@@ -100,12 +100,12 @@ class SparseModelSoup:
         # The ensemble diagnostic needs a test set scored with the selection metric.
         self.test_dataset = next((d for d, m in self.tests.values() if m is metric_fn), None)
         self.metric_fn, self.processing_class, self.model_card = metric_fn, processing_class, model_card or {}
-        self.kwargs = {
-            "data_collator": data_collator,
-            "compute_loss_func": compute_loss_func,
-            "callbacks": callbacks,
-            "processing_class": processing_class,
-        }  # what a nested run (BIMP's cycles) needs again
+        self.kwargs = dict(  # what a nested run (BIMP's cycles) needs again
+            data_collator=data_collator,
+            compute_loss_func=compute_loss_func,
+            callbacks=callbacks,
+            processing_class=processing_class,
+        )
         self.trainer_kwargs = {"data_collator": data_collator, "callbacks": list(callbacks or [])}
         if compute_loss_func is not None:
             self.trainer_kwargs["compute_loss_func"] = compute_loss_func
@@ -148,6 +148,8 @@ class SparseModelSoup:
         # a method checks what needs the data (its schedule's steps) before run.json ("imp" has no entry: no-op)
         PRUNING_METHODS.meta(a.pruning_method).get("preflight", lambda ctx: None)(self)
         self.run_dir.open()
+        for note in self.model_card.get("notes", ()) if self.world.is_main else ():
+            logger.warning("[hf-sms] note: %s", note)  # what the card says of the starting model, said now too
         try:
             self.world.barrier()  # every rank waits until the main process has checked the directory
             self.results["dense"] = self.recorder.measure(self.pretrained, shared=True)  # the paper's "unpruned"
@@ -272,6 +274,7 @@ class SparseModelSoup:
             **{k: v for k, v in a.pruning.items() if k != "seed"},
             "num_train_epochs": a.num_train_epochs,
             "max_steps": a.max_steps,
+            **({"notes": self.model_card["notes"]} if self.model_card.get("notes") else {}),  # the card shows them
         }
 
     # -- units of work ---------------------------------------------------------------------------
