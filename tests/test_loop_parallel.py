@@ -64,7 +64,7 @@ def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
         assert p["pairwise_l2"][0] > 0  # the replicas really differ before the merge
 
 
-@pytest.mark.parametrize("method", ["gmp", "dpf"])
+@pytest.mark.parametrize("method", ["gmp", pytest.param("dpf", marks=pytest.mark.slow)])  # 25 s each; GMP in CI
 def test_pruning_during_training_with_sms_on_two_processes(tmp_path, method):
     # the plain run before the copies is trained by one process and shared; the copies train in parallel
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
@@ -88,7 +88,8 @@ def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
     assert untimed(par["rows"]) == untimed(seq["rows"]) and [len(d["candidates_val"]) for d in par["sms"]] == [2, 1]
 
 
-@pytest.mark.parametrize("family", ["t5", "timm", "smp"])
+# smp (32 s) with -m slow: its 2-process run is also the PSPNet smoke run's (tests/test_smoke.py), in CI
+@pytest.mark.parametrize("family", ["t5", "timm", pytest.param("smp", marks=pytest.mark.slow)])
 def test_two_processes_give_the_sequential_soup_for_every_family(tmp_path, family):
     # each process saves the replicas it owns in the family's own format (transformers, timm, smp)
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}

@@ -76,7 +76,15 @@ def smoke_runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize(("recipe", "flags", "tests"), list(RUNS.values()), ids=list(RUNS))
+# A config whose smoke run takes the recipe's plain path again runs with -m slow (every config parses in CI:
+# tests/test_recipes.py::test_shipped_configs_parse); the others exercise a model or metric of their own.
+SAME_PATH = {"config-t5_wmt16", "config-resnet50_imagenet", "config-pspnet_cityscapes", "config-resnet18_cifar10"}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags", "tests"),
+    [pytest.param(*run, id=name, marks=[pytest.mark.slow] if name in SAME_PATH else []) for name, run in RUNS.items()],
+)
 def test_smoke_run(smoke_runs, recipe, flags, tests):
     out, stdout = smoke_runs(recipe, flags)
     results = json.loads((out / "results.json").read_text())
