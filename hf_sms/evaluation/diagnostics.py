@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from .sharded import predict_shared
+
 logger = logging.getLogger("hf_sms")
 # Below this mean pairwise disagreement (% of validation examples) replicas are near copies.
 MIN_DISAGREEMENT = 0.5
@@ -32,14 +34,26 @@ def diversity(metric_fn, world, candidates: dict, val: list[float], eval_dataset
     """
     if not (hasattr(metric_fn, "predict") and hasattr(metric_fn, "score")):
         return {}
+    shared = hasattr(metric_fn, "predict_targets") and hasattr(metric_fn, "score_targets")
     out = {}
     for split, dataset in (("val", eval_dataset), ("test", test_dataset)):
         if dataset is None:
             continue
-        preds = {i: metric_fn.predict(c, dataset) for i, c in candidates.items()}
+        if shared:  # the processes holding a replica (its data-parallel group) share its predictions
+            group = getattr(world, "group", None)
+            predicted = {i: predict_shared(metric_fn, c, dataset, group) for i, c in candidates.items()}
+            preds = {i: probs for i, (probs, _) in predicted.items()}
+        else:
+            preds = {i: metric_fn.predict(c, dataset) for i, c in candidates.items()}
         labels = world.gather({i: t.argmax(-1) for i, t in preds.items()})
         shape = next(iter(world.gather({i: tuple(t.shape) for i, t in preds.items()}).values()))  # a rank may own none
-        out[f"ensemble_{split}"] = float(metric_fn.score(world.sum_tensors(preds, shape) / len(val), dataset))
+        mean = world.sum_tensors(preds, shape) / len(val)
+        if shared:  # scored where this process has the targets (it holds a replica), the value shared
+            targets = next((t for _, t in predicted.values()), None)
+            scores = world.all_gather(metric_fn.score_targets(mean, targets) if targets is not None else None)
+            out[f"ensemble_{split}"] = float(next(v for v in scores if v is not None))
+        else:
+            out[f"ensemble_{split}"] = float(metric_fn.score(mean, dataset))
         if split == "val":
             out["disagreement_val"] = disagreement(labels)
             out["ensemble_minus_best_val"] = out["ensemble_val"] - max(val)

@@ -58,9 +58,17 @@ class ClassificationAccuracy:
         self._last: tuple | None = None  # (dataset, labels) of the last predict: score() reads the data once
 
     def predict(self, model: nn.Module, dataset) -> torch.Tensor:
+        return self.predict_targets(model, dataset)[0]
+
+    def predict_targets(self, model: nn.Module, dataset) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probabilities, labels)``: what :meth:`score_targets` takes (the processes holding a replica share
+        this pass, :func:`hf_sms.evaluation.sharded.predict_shared`)."""
         probs, labels = predict_proba(model, dataset, self.batch_size, self.collate_fn, self.loader_kwargs)
         self._last = (dataset, labels)
-        return probs
+        return probs, labels
+
+    def score_targets(self, probs: torch.Tensor, labels: torch.Tensor) -> float:
+        return 100.0 * float((probs.argmax(-1) == labels).float().mean())
 
     def score(self, probs: torch.Tensor, dataset) -> float:
         if self._last is not None and self._last[0] is dataset:
@@ -68,7 +76,7 @@ class ClassificationAccuracy:
         else:
             loader = DataLoader(dataset, self.batch_size, collate_fn=self._collate, **self.loader_kwargs)
             labels = torch.cat([b["labels"] for b in loader])
-        return 100.0 * float((probs.argmax(-1) == labels).float().mean())
+        return self.score_targets(probs, labels)
 
     def batch_statistics(self, model: nn.Module, batch, device) -> tuple[int, int]:
         pred = _logits(forward_batch(model, batch, device)).argmax(-1).cpu()

@@ -107,6 +107,35 @@ def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
     return world.all_gather(float(compute()) if world.is_main else None)[0]
 
 
+def predict_shared(metric, model: nn.Module, dataset, world=None):
+    """``metric.predict_targets(model, dataset)`` (probabilities, and what ``score_targets`` compares them with),
+    each of ``world``'s processes predicting its batches, gathered in order on every one: the processes that hold a
+    replica share the ensemble diagnostic's predictions. A stream is predicted whole by each."""
+    world = world or OneProcess()
+    if world.size == 1 or not hasattr(dataset, "__len__"):
+        return metric.predict_targets(model, dataset)
+    _, indices = owned_batches(len(dataset), metric.batch_size, world.rank, world.size)
+    mine = metric.predict_targets(model, Subset(dataset, indices)) if indices else None
+    return _in_order([(i, part) for i, part in world.all_gather((indices, mine)) if i], len(dataset))
+
+
+def _in_order(parts: list, n: int):
+    """Per-example values of several processes (tensors, lists, tuples of them) put back in dataset order."""
+    first = parts[0][1]
+    if isinstance(first, tuple):
+        return tuple(_in_order([(i, part[j]) for i, part in parts], n) for j in range(len(first)))
+    if torch.is_tensor(first):
+        out = first.new_empty((n, *first.shape[1:]))
+        for indices, part in parts:
+            out[torch.as_tensor(indices)] = part
+        return out
+    out = [None] * n
+    for indices, part in parts:
+        for i, value in zip(indices, part):
+            out[i] = value
+    return out
+
+
 def recalibrate_shared(
     model: nn.Module,
     dataset,

@@ -193,6 +193,14 @@ class SubgroupRecall:
         """Class probabilities ``(N, C)``, for the prediction-ensemble diagnostic."""
         return self._predict(model, dataset)[0]
 
+    def predict_targets(self, model: nn.Module, dataset) -> tuple[torch.Tensor, tuple[torch.Tensor, list]]:
+        """``(probabilities, (labels, groups))``, what :meth:`score_targets` takes."""
+        probs, labels, groups = self._predict(model, dataset)
+        return probs, (labels, groups)
+
+    def score_targets(self, probs: torch.Tensor, targets: tuple[torch.Tensor, list]) -> float:
+        return self._summary(probs.argmax(-1), *targets)["value"]
+
     def score(self, probs: torch.Tensor, dataset) -> float:
         """The score (worst-group recall, or balanced accuracy) of given probabilities (e.g. the replicas' mean)."""
         return self._summary(probs.argmax(-1), *self._labels_and_groups(dataset))["value"]

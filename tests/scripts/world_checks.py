@@ -81,4 +81,14 @@ elif mode == "group":  # 2 processes, m = 1: the replica is data-parallel over a
     assert all(torch.equal(a, b) for a, b in zip(*params)), "group members diverged"
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters())), "nothing trained"
     assert len(trainer.get_train_dataloader()) == 64 // (8 * 2)  # each rank sees half the data
+    # The group shares its replica's ensemble predictions: each predicts its batches, both get all, in order.
+    from hf_sms.evaluation import ClassificationAccuracy, SubgroupRecall
+    from hf_sms.evaluation.sharded import predict_shared
+
+    items = [{"x": x[i], "labels": y[i], "group": i % 3} for i in range(37)]
+    for metric in (ClassificationAccuracy(batch_size=8), SubgroupRecall(batch_size=8)):
+        probs, targets = predict_shared(metric, model, items, world.group)
+        alone = metric.predict_targets(model, items)
+        assert torch.equal(probs, alone[0]) and str(targets) == str(alone[1]), type(metric).__name__
+        assert metric.score_targets(probs, targets) == metric.score_targets(*alone)
 print("OK", rank, flush=True)
