@@ -85,10 +85,11 @@ elif mode == "group":  # 2 processes, m = 1: the replica is data-parallel over a
     from hf_sms.evaluation import ClassificationAccuracy, SubgroupRecall
     from hf_sms.evaluation.sharded import predict_shared
 
-    items = [{"x": x[i], "labels": y[i], "group": i % 3} for i in range(37)]
-    for metric in (ClassificationAccuracy(batch_size=8), SubgroupRecall(batch_size=8)):
-        probs, targets = predict_shared(metric, model, items, world.group)
-        alone = metric.predict_targets(model, items)
+    items = [{"x": x[i], "labels": y[i]} for i in range(37)]
+    grouped = [{**item, "group": i % 3} for i, item in enumerate(items)]
+    for metric, data in ((ClassificationAccuracy(batch_size=8), items), (SubgroupRecall(batch_size=8), grouped)):
+        probs, targets = predict_shared(metric, model, data, world.group)
+        alone = metric.predict_targets(model, data)
         assert torch.equal(probs, alone[0]) and str(targets) == str(alone[1]), type(metric).__name__
         assert metric.score_targets(probs, targets) == metric.score_targets(*alone)
 print("OK", rank, flush=True)
