@@ -323,6 +323,19 @@ def test_dpf_sms_copies_start_from_the_dense_mean_not_a_zeroed_model(tmp_path, d
 
 
 # -- 15: pretraining keeps the paper's global batch whatever the number of processes ---------------------------
+def _spy_trainer(monkeypatch, module) -> dict:
+    """``module.SparseSoupTrainer`` replaced by one that records the batch each process gets and stops there."""
+    seen = {}
+
+    class Spy(module.SparseSoupTrainer):
+        def __init__(self, model, args, **kwargs):
+            seen["per_device"] = args.per_device_train_batch_size
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(module, "SparseSoupTrainer", Spy)
+    return seen
+
+
 def test_pretraining_splits_the_global_batch_over_the_processes(tmp_path, digits, monkeypatch):
     from conftest import make_cnn
 
@@ -330,14 +343,7 @@ def test_pretraining_splits_the_global_batch_over_the_processes(tmp_path, digits
     from hf_sms import SparseSoupConfig
 
     train, _, _ = digits
-    seen = {}
-
-    class Spy(scripts.SparseSoupTrainer):
-        def __init__(self, model, args, **kwargs):
-            seen["per_device"] = args.per_device_train_batch_size
-            raise RuntimeError("stop here")
-
-    monkeypatch.setattr(scripts, "SparseSoupTrainer", Spy)
+    seen = _spy_trainer(monkeypatch, scripts)
     monkeypatch.setattr(scripts, "launched_world_size", lambda: 2)
     args = SparseSoupConfig(
         output_dir=str(tmp_path / "run"), pretrain_epochs=1, per_device_train_batch_size=128, report_to="none",
@@ -718,14 +724,7 @@ def test_a_replica_data_parallel_over_its_group_keeps_the_runs_batch(tmp_path, d
     from hf_sms.methods.common import empty_step, total_steps
 
     train, val, _ = digits
-    seen = {}
-
-    class Spy(loop.SparseSoupTrainer):
-        def __init__(self, model, args, **kwargs):
-            seen["per_device"] = args.per_device_train_batch_size
-            raise RuntimeError("stop here")
-
-    monkeypatch.setattr(loop, "SparseSoupTrainer", Spy)
+    seen = _spy_trainer(monkeypatch, loop)
     args = sms_config(tmp_path, n_phases=1, per_device_train_batch_size=64, num_train_epochs=2, max_steps=-1)
     runner = SparseModelSoup(_net(), args, train, ClassificationAccuracy(), eval_dataset=val)
     steps_alone = total_steps(runner)
