@@ -1,17 +1,33 @@
-"""The prepared GPU check runs end to end on a CPU in its --dry-run form (the GPU form needs a lent machine)."""
+"""The prepared GPU check runs end to end on a CPU in its --dry-run form (the GPU form needs a lent machine).
+
+The dry run takes ~45 s (five fresh interpreters and a smoke recipe under accelerate launch), so it runs with
+``-m slow`` (run it before a session that has a GPU); CI checks that the script and every benchmark it calls parse.
+"""
 
 import os
+import py_compile
+import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 
+def test_gpu_check_and_the_scripts_it_calls_parse():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    called = set(re.findall(r"(benchmarks/\w+\.py|recipes/\w+\.py)", SCRIPT.read_text()))
+    assert {"benchmarks/gpu_runtime.py", "benchmarks/structured.py", "benchmarks/mask_overhead.py"} <= called
+    for path in called:
+        py_compile.compile(str(ROOT / path), doraise=True)
+
+
+@pytest.mark.slow
 def test_gpu_check_dry_run():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True, text=True
-    )
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     for step in ("== (a)", "== (b)", "== (c)", "== (d)", "masks exact after every run", "gpu_check done"):
