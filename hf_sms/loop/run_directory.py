@@ -131,7 +131,7 @@ def data_identity(dataset, samples: int = 16) -> tuple[str | None, str]:
         _update(h, inner)
         return h.hexdigest()[:16], f"its {len(dataset)} indices into a set compared by {how}"
     tensors = [v for v in vars(dataset).values() if torch.is_tensor(v)] if hasattr(dataset, "__dict__") else []
-    if isinstance(dataset, (list, tuple)) or (tensors and sum(t.shape[0] == len(dataset) for t in tensors)):
+    if isinstance(dataset, (list, tuple)) or any(t.shape[0] == len(dataset) for t in tensors if t.dim()):
         _update(h, list(dataset) if isinstance(dataset, (list, tuple)) else tensors)  # in memory: all of it
         _update(h, [peek(dataset, i) for i in range(min(len(dataset), samples))])  # its transform, if any
         return h.hexdigest()[:16], f"every one of its {len(dataset)} items"
