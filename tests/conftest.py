@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from contextlib import contextmanager
 from types import SimpleNamespace
 from unittest import mock
@@ -32,6 +34,23 @@ class TinyCNN(nn.Module):
         x = torch.relu(self.gn(self.conv2(x)))
         x = x.mean(dim=(2, 3))
         return self.fc2(torch.relu(self.ln(self.fc1(x))))
+
+
+def eval_output(model, batch):
+    """``model``'s eval-mode output on ``batch`` (logits where it has them), as float."""
+    model.eval()
+    with torch.no_grad():
+        out = model(**batch) if isinstance(batch, dict) else model(batch)
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+def without_hf_sms(code: str) -> str:
+    """Run ``code`` in a new Python that fails if it ever imports hf_sms; its stdout."""
+    guard = "import sys\nclass _No:\n    def find_spec(self, name, *a):\n        if name.split('.')[0] == 'hf_sms':\n"
+    guard += "            raise ImportError('hf_sms imported')\nsys.meta_path.insert(0, _No())\n"
+    result = subprocess.run([sys.executable, "-c", guard + code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
 
 
 def make_cnn(num_classes: int = 4, seed: int = 0) -> TinyCNN:

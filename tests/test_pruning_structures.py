@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import make_cnn, make_t5
+from conftest import eval_output, make_cnn, make_t5, without_hf_sms
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -152,13 +150,6 @@ def test_random_follows_its_seed_and_wanda_reads_the_inputs():
 
 
 # -- shrink: smaller, same outputs, plain loading ---------------------------------------------------------------------
-def _output(model, batch):
-    model.eval()
-    with torch.no_grad():
-        out = model(**batch) if isinstance(batch, dict) else model(batch)
-    return (out.logits if hasattr(out, "logits") else out).float()
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_shrink_gives_a_smaller_model_with_equal_outputs(family):
     make, structure, batch_of, _, fields = FAMILIES[family]
@@ -170,7 +161,7 @@ def test_shrink_gives_a_smaller_model_with_equal_outputs(family):
     }
     params = sum(p.numel() for p in smaller.parameters())
     assert params < sum(p.numel() for p in model.parameters())
-    torch.testing.assert_close(_output(smaller, batch), _output(model, batch), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(eval_output(smaller, batch), eval_output(model, batch), rtol=1e-4, atol=1e-5)
     for field in fields:
         assert getattr(smaller.config, field) < getattr(model.config, field), field
     assert (
@@ -181,15 +172,6 @@ def test_shrink_gives_a_smaller_model_with_equal_outputs(family):
         }
         or family == "cnn"
     )
-
-
-def _fresh_interpreter(code: str) -> str:
-    """Run ``code`` in a new Python that fails if it ever imports hf_sms."""
-    guard = "import sys\nclass _No:\n    def find_spec(self, name, *a):\n        if name.split('.')[0] == 'hf_sms':\n"
-    guard += "            raise ImportError('hf_sms imported')\nsys.meta_path.insert(0, _No())\n"
-    result = subprocess.run([sys.executable, "-c", guard + code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
 
 
 # the SMS tests below load the other families' final soups the same way; these extra rows run with -m slow
@@ -204,7 +186,7 @@ def test_a_shrunk_checkpoint_loads_without_hf_sms(tmp_path, family):
     model, batch = make(), batch_of()
     apply_masks(model, compute_masks(model, 0.5, structure=structure))
     hf_sms.save_sparse(shrink(model, batch), str(tmp_path / "small"), "dense")
-    torch.save({"batch": batch, "expected": _output(model, batch)}, tmp_path / "io.pt")
+    torch.save({"batch": batch, "expected": eval_output(model, batch)}, tmp_path / "io.pt")
     if auto is not None:
         load = f"import transformers\nm = transformers.{auto}.from_pretrained({str(tmp_path / 'small')!r})"
         call = "out = m(**io['batch']).logits"
@@ -220,7 +202,7 @@ with torch.no_grad():
 torch.testing.assert_close(out.float(), io['expected'], rtol=1e-4, atol=1e-5)
 print(sum(p.numel() for p in m.parameters()))
 """
-    assert int(_fresh_interpreter(code)) == sum(p.numel() for p in shrink(model, batch).parameters())
+    assert int(without_hf_sms(code)) == sum(p.numel() for p in shrink(model, batch).parameters())
 
 
 def test_layers_of_one_config_field_keep_the_same_count(tmp_path):
@@ -234,12 +216,12 @@ def test_layers_of_one_config_field_keep_the_same_count(tmp_path):
     apply_masks(model, masks)
     smaller = shrink(model, batch)
     assert smaller.config.n_inner == 24 and all(b.mlp.c_fc.nf == 24 for b in smaller.transformer.h)
-    torch.testing.assert_close(_output(smaller, batch), _output(model, batch), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(eval_output(smaller, batch), eval_output(model, batch), rtol=1e-4, atol=1e-5)
 
 
 # -- bad input, before any work ----------------------------------------------------------------------------------------
 def test_filters_of_a_model_fx_cannot_follow_are_refused_before_training(tmp_path):
-    """The soup of a filter-pruned model is only smaller where torch.fx follows its channels (PSPNet's does not)."""
+    """The soup of a filter-pruned model is only smaller where torch.fx follows its channels."""
     from conftest import sms_config
 
     from hf_sms.evaluation import ClassificationAccuracy
@@ -355,8 +337,8 @@ def test_sms_with_neurons_and_heads_gives_a_plain_smaller_t5(tmp_path):
     card = (folder / "README.md").read_text()
     assert "**No hf-sms needed**" in card and "whole units cut out" in card and "it loads with its own library" in card
     batch = {k: torch.stack([r[k] for r in rows[:4]]) for k in rows[0]}
-    torch.save({"batch": batch, "expected": _output(soup, batch)}, tmp_path / "io.pt")
-    out = _fresh_interpreter(f"""import torch, transformers
+    torch.save({"batch": batch, "expected": eval_output(soup, batch)}, tmp_path / "io.pt")
+    out = without_hf_sms(f"""import torch, transformers
 m = transformers.AutoModelForSeq2SeqLM.from_pretrained({str(folder)!r}).eval()
 io = torch.load({str(tmp_path / "io.pt")!r})
 with torch.no_grad():
@@ -410,8 +392,8 @@ def test_sms_with_units_gives_a_plain_smaller_model_for_every_family(tmp_path, f
     folder = tmp_path / "run" / "final_soup"
     assert json.loads((folder / "sparsity.json").read_text())["recipe"]["shrunk"]["saved"] == "smaller"
     batch = {k: torch.stack([r[k] for r in data[:4]]) for k in data[0]}
-    torch.save({"batch": batch, "expected": _output(soup, batch)}, tmp_path / "io.pt")
-    _fresh_interpreter(f"""import torch, transformers
+    torch.save({"batch": batch, "expected": eval_output(soup, batch)}, tmp_path / "io.pt")
+    without_hf_sms(f"""import torch, transformers
 m = transformers.{auto}.from_pretrained({str(folder)!r}).eval()
 io = torch.load({str(tmp_path / "io.pt")!r})
 with torch.no_grad():
@@ -447,8 +429,8 @@ def test_sms_with_neurons_gives_a_plain_smaller_timm_model(tmp_path, make, size,
     soup, _ = hf_sms.run_sms(dense, args, data[:16], ClassificationAccuracy(), eval_dataset=data[16:])
     folder = tmp_path / "run" / "final_soup"
     batch = torch.stack([r["x"] for r in data[:4]])
-    torch.save({"batch": batch, "expected": _output(soup, batch)}, tmp_path / "io.pt")
-    _fresh_interpreter(f"""import torch, timm
+    torch.save({"batch": batch, "expected": eval_output(soup, batch)}, tmp_path / "io.pt")
+    without_hf_sms(f"""import torch, timm
 m = timm.create_model('local-dir:{folder}', pretrained=True).eval()
 io = torch.load({str(tmp_path / "io.pt")!r})
 with torch.no_grad():

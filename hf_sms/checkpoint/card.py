@@ -219,6 +219,11 @@ def _structure_lines(shrunk) -> list[str]:
             f"- A plain smaller model: **{small:,}** parameters against {dense:,} dense "
             f"({small / max(dense, 1):.3f}x); it loads with its own library, without hf-sms."
         )
+        if isinstance(kept := shrunk.get("zero_filters_kept"), int) and kept > 0:
+            lines.append(
+                f"- {kept:,} removed filters stay in it as all-zero filters: its library's arguments cannot state "
+                "those layers narrower (they change no output)."
+            )
     elif shrunk.get("why"):
         lines.append(f"- Saved as the pruned model, not a smaller one: {_text(shrunk['why'])}.")
     return lines

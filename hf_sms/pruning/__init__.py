@@ -1,6 +1,7 @@
 """Pruning: which weights are prunable (``prunable``), what each is worth (``criteria``), which fall together
 (``structures``), how a sparsity is spread over them (``allocations``), masks and phase targets (``masks``), cutting
-removed units out (``shrink``, ``structured`` for conv filters), and keeping pruned weights at zero while training
+removed units out (``shrink``, ``structured`` for conv filters, ``fit_config`` for the widths a family's config can
+state), and keeping pruned weights at zero while training
 (``enforcement``)."""
 
 from .allocations import get_allocation, n_of_m

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..batchnorm import forward_batch
+from .fit_config import dense_arguments, fit_filters, rebuild_dense
 from .prunable import accepts_labels, is_conv1d, unfused_attention
 from .structured import module_zero_filters, shrink_filters
 from .structures import UnitGroup, neurons, removed_units, unit_groups, unit_report
@@ -124,7 +125,9 @@ def _eval_output(model: nn.Module, example_inputs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4, structure: str | None = None) -> nn.Module:
+def shrink(
+    model: nn.Module, example_inputs=None, rtol: float = 1e-4, structure: str | None = None, fit_config: bool = True
+) -> nn.Module:
     """A physically smaller copy of ``model`` without its removed units: FFN neurons, attention heads and conv
     filters whose weights are all exactly zero (pruned with ``structure="neurons"``, ``"heads"``, ``"filters"``).
 
@@ -143,6 +146,10 @@ def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4, structure:
         rtol: the largest difference of the outputs allowed, relative to their largest magnitude.
         structure: whose units to cut (a name in ``STRUCTURES``, e.g. one of your own); default: every built-in
             neuron and head. All-zero conv filters are always cut.
+        fit_config: cut a timm or smp convnet's filters down to widths its constructor arguments state (timm
+            ResNet's ``base_width``, smp PSPNet's ``psp_out_channels``, ...; :mod:`hf_sms.pruning.fit_config`),
+            written into its config so that timm / smp load the copy by themselves. ``False``: cut every removable
+            channel (faster where the arguments cannot state a width; only hf-sms or your code then rebuilds it).
 
     Returns:
         The smaller model, in ``model``'s training mode.
@@ -163,7 +170,7 @@ def shrink(model: nn.Module, example_inputs=None, rtol: float = 1e-4, structure:
             raise ValueError(
                 "shrink: conv filters are removed; pass example_inputs (one batch) to follow their channels"
             )
-        shrunk = shrink_filters(shrunk, example_inputs)
+        shrunk = fit_filters(shrunk, example_inputs)[0] if fit_config else shrink_filters(shrunk, example_inputs)
     if example_inputs is not None:
         expected, got = _eval_output(model, example_inputs), _eval_output(shrunk, example_inputs)
         scale = float(expected.abs().max().clamp_min(1e-12))
@@ -181,7 +188,11 @@ DENSE_FIELDS = ("d_ff", "num_heads", "n_inner", "intermediate_size", "num_attent
 
 def dense_shaped(smaller: nn.Module, dense_config: dict) -> nn.Module:
     """A randomly initialised model of ``smaller``'s class with the dense widths ``dense_config`` records (only
-    :data:`DENSE_FIELDS`, positive integers): the same shapes as the model it was shrunk from, for timing."""
+    :data:`DENSE_FIELDS`, positive integers; for timm and smp convnets the constructor arguments
+    :func:`hf_sms.pruning.fit_config.dense_arguments` gives): the same shapes as the model it was shrunk from, for
+    timing."""
+    if (rebuilt := rebuild_dense(smaller, dense_config)) is not None:
+        return rebuilt.to(next(smaller.parameters()).device).eval()
     config = copy.deepcopy(getattr(smaller, "config", None))
     bad = {
         k: v for k, v in dense_config.items() if k not in DENSE_FIELDS or not isinstance(v, int) or not 0 < v < 2**20
@@ -203,13 +214,17 @@ def parameter_count(model: nn.Module) -> int:
 
 def shrink_record(dense: nn.Module, pruned: nn.Module, shrunk: nn.Module, structure: str) -> dict:
     """What a structured soup's ``sparsity.json`` and card say of it: the units removed (measured on the pruned
-    model) and the parameters of the smaller model against the dense one."""
+    model), the parameters of the smaller model against the dense one, and the all-zero filters it keeps where its
+    family's arguments cannot state a smaller width."""
     config = getattr(dense, "config", None)
     fields = {f for g in unit_groups(pruned, structure) for f in g.config if f in DENSE_FIELDS}
+    dense_config = {f: getattr(config, f) for f in sorted(fields) if isinstance(getattr(config, f, None), int)}
+    convs = [m for m in shrunk.modules() if isinstance(m, nn.modules.conv._ConvNd)]
     return {
         "structure": structure,
         "units": unit_report(pruned, structure),
-        "dense_config": {f: getattr(config, f) for f in sorted(fields) if isinstance(getattr(config, f, None), int)},
+        "dense_config": {**dense_config, **dense_arguments(dense, shrunk)},
+        "zero_filters_kept": sum(int(module_zero_filters(c).sum()) for c in convs),
         "parameters": parameter_count(shrunk),
         "dense_parameters": parameter_count(dense),
         "parameter_ratio": parameter_count(shrunk) / max(parameter_count(dense), 1),

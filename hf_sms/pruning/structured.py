@@ -62,12 +62,13 @@ _CHANNELWISE = tuple(
     for name in (
         "ReLU ReLU6 LeakyReLU GELU SiLU Hardswish Mish ELU Tanh Sigmoid Identity Dropout Dropout1d Dropout2d "
         "Dropout3d MaxPool1d MaxPool2d MaxPool3d AvgPool1d AvgPool2d AvgPool3d AdaptiveAvgPool1d AdaptiveAvgPool2d "
-        "AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d"
+        "AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d Upsample UpsamplingBilinear2d "
+        "UpsamplingNearest2d"
     ).split()
 )
 _F = nn.functional
 _CHANNELWISE_FUNCTIONS = {torch.relu, torch.sigmoid, torch.tanh, _F.relu, _F.gelu, _F.silu, _F.dropout, _F.max_pool2d}
-_CHANNELWISE_FUNCTIONS |= {_F.avg_pool2d, _F.adaptive_avg_pool2d, operator.mul, operator.truediv}
+_CHANNELWISE_FUNCTIONS |= {_F.avg_pool2d, _F.adaptive_avg_pool2d, _F.interpolate, operator.mul, operator.truediv}
 _CHANNELWISE_FUNCTIONS |= {"relu", "relu_", "sigmoid", "tanh", "contiguous", "clone"}  # tensor methods
 _ADDS = {operator.add, operator.iadd, torch.add, "add", "add_"}
 _REDUCTIONS = {torch.mean, torch.amax, "mean", "amax"}
@@ -153,13 +154,20 @@ def _space_of(node: fx.Node, module: nn.Module | None, calls: int, env: dict, sp
 def traced(model: nn.Module) -> fx.GraphModule:
     """``model``'s torch.fx graph, which :func:`shrink_filters` follows channels through; ``NotImplementedError``
     saying so where fx cannot trace it."""
+    # smp checks the input's height with Python ifs fx cannot follow; the analysis runs one real batch instead
+    skip_check = callable(getattr(type(model), "check_input_shape", None)) and "check_input_shape" not in vars(model)
+    if skip_check:
+        model.check_input_shape = lambda x: None
     try:
         return fx.symbolic_trace(model)
     except Exception as err:
         raise NotImplementedError(
             f"shrink_filters needs a model torch.fx can trace (plain convnets, hf_sms.demo.DigitsResNet, timm "
-            f"ResNets); tracing {type(model).__name__} failed: {str(err)[:300]}"
+            f"ResNets, smp models); tracing {type(model).__name__} failed: {str(err)[:300]}"
         ) from err
+    finally:
+        if skip_check:
+            del model.check_input_shape
 
 
 @torch.no_grad()
@@ -210,15 +218,49 @@ def _slice(module: nn.Module, names: tuple[str, ...], dim: int, index: torch.Ten
 
 
 @torch.no_grad()
-def shrink_filters(model: nn.Module, example_inputs, exact: bool = True) -> nn.Module:
+def _removable(model: nn.Module, example_inputs, exact: bool) -> tuple[fx.GraphModule, _Graph, dict]:
+    """The graph and, per channel space (its root), a bool per channel: True where every producer removed it and
+    nothing keeps it (a pinned space, a nonzero constant read under ``exact``)."""
+    gm, env, g = _analyse(model, example_inputs)
+    removed: dict[int, torch.Tensor] = {}
+    for name, sid in g.producers:
+        zero, root = module_zero_filters(gm.get_submodule(name)), g.find(sid)
+        removed[root] = removed[root] & zero if root in removed else zero
+    for root in {g.find(s) for s in g.pinned}:
+        removed.pop(root, None)
+    for _, sid, node in g.consumers if exact else ():
+        root = g.find(sid)
+        if root in removed:  # the constant a removed channel carries must be exactly zero where it is read
+            removed[root] = removed[root] & (env[node].transpose(0, 1).flatten(1) == 0).all(1).to(removed[root].device)
+    for gone in removed.values():
+        if gone.all():
+            gone[0] = False  # keep one channel rather than build a zero-width layer
+    return gm, g, removed
+
+
+def kept_widths(model: nn.Module, example_inputs, exact: bool = True) -> dict[str, int]:
+    """``{conv name: output channels}`` that :func:`shrink_filters` leaves each conv of ``model``: the fewest."""
+    gm, g, removed = _removable(model, example_inputs, exact)
+    out = {}
+    for name, sid in g.producers:
+        gone = removed.get(g.find(sid))
+        out[name] = gm.get_submodule(name).out_channels - (int(gone.sum()) if gone is not None else 0)
+    return out
+
+
+@torch.no_grad()
+def shrink_filters(
+    model: nn.Module, example_inputs, exact: bool = True, widths: Mapping[str, int] | None = None
+) -> nn.Module:
     """A physically smaller dense copy of ``model`` without its removed (all-zero) conv filters (Li et al. 2017).
 
     Each removed channel leaves the producing conv (weight rows and bias), its BatchNorm (affine parameters and
     running statistics) and the input channels of every conv or linear layer reading it. ``model`` is not changed.
 
     Supported: models torch.fx traces whose channels flow through ``Conv1d/2d/3d`` (groups=1), BatchNorm,
-    element-wise activations, dropout, pooling, means over spatial dims, flattening of 1x1 maps, residual adds and
-    ``Linear`` heads: plain ``nn.Sequential`` convnets, :class:`hf_sms.demo.DigitsResNet`, timm ResNets. A residual
+    element-wise activations, dropout, pooling, resizing, means over spatial dims, flattening of 1x1 maps, residual
+    adds and ``Linear`` heads: plain ``nn.Sequential`` convnets, :class:`hf_sms.demo.DigitsResNet`, timm ResNets,
+    smp's encoders and decoders (PSPNet, FPN, DeepLabV3, Unet). A residual
     channel goes only if every branch of the add removed it. Channels that reach any other op (concatenation,
     grouped/depthwise or transposed convs, attention, the model output) are kept whole; models fx cannot trace raise
     ``NotImplementedError``.
@@ -232,26 +274,34 @@ def shrink_filters(model: nn.Module, example_inputs, exact: bool = True) -> nn.M
             model's eval outputs equal ``model``'s. With ``exact=False`` every removable channel goes with its
             constant: Li et al.'s convention, which :func:`hf_sms.evaluation.theoretical_speedup` counts (that
             count also skips a conv's reads of a channel removed before a residual add that a dense export keeps).
+        widths: ``{conv name: output channels}`` to leave (at least :func:`kept_widths`'s, at most the conv's): a
+            channel space keeps removed (all-zero) channels too, lowest first, up to its producers' width, so
+            that the copy has the widths its family's config can state (:mod:`hf_sms.pruning.fit_config`).
 
     Returns:
         The smaller model, same class and module names, in ``model``'s training mode.
+
+    Raises:
+        ValueError: ``widths`` below what :func:`kept_widths` leaves, above the conv's, or unequal in one space.
     """
-    gm, env, g = _analyse(model, example_inputs)
-    removed: dict[int, torch.Tensor] = {}
-    for name, sid in g.producers:
-        zero, root = module_zero_filters(gm.get_submodule(name)), g.find(sid)
-        removed[root] = removed[root] & zero if root in removed else zero
-    for root in {g.find(s) for s in g.pinned}:
-        removed.pop(root, None)
-    for _, sid, node in g.consumers if exact else ():
-        root = g.find(sid)
-        if root in removed:  # the constant a removed channel carries must be exactly zero where it is read
-            removed[root] = removed[root] & (env[node].transpose(0, 1).flatten(1) == 0).all(1).to(removed[root].device)
+    gm, g, removed = _removable(model, example_inputs, exact)
+    wanted: dict[int, int] = {}
+    for name, sid in g.producers if widths else ():
+        root, size = g.find(sid), gm.get_submodule(name).out_channels
+        if name not in widths:
+            continue
+        gone = removed.get(root, torch.zeros(size, dtype=torch.bool))
+        if not size - int(gone.sum()) <= widths[name] <= size or wanted.get(root, widths[name]) != widths[name]:
+            raise ValueError(
+                f"shrink_filters: width {widths[name]} for {name} is not between the {size - int(gone.sum())} "
+                f"channels it keeps and its {size}, or differs from a conv joined to it (residual add)"
+            )
+        wanted[root] = widths[name]
     keep = {}
     for root, gone in removed.items():
-        if gone.all():
+        if (extra := wanted.get(root, 0) - int((~gone).sum())) > 0:  # keep removed channels too, lowest first
             gone = gone.clone()
-            gone[0] = False  # keep one channel rather than build a zero-width layer
+            gone[gone.nonzero().flatten()[:extra]] = False
         if gone.any():
             keep[root] = (~gone).nonzero().flatten()
     shrunk = copy.deepcopy(model)
@@ -271,7 +321,7 @@ def shrink_filters(model: nn.Module, example_inputs, exact: bool = True) -> nn.M
             _slice(layer, ("weight",), 1, index)
             setattr(layer, "in_channels" if isinstance(layer, _CONV) else "in_features", len(index))
     left = sum(int(module_zero_filters(shrunk.get_submodule(name)).sum()) for name, _ in g.producers)
-    if left:
+    if left and not widths:  # with widths, the caller asked for them
         warnings.warn(
             f"shrink_filters kept {left} all-zero filters: their channels are read by an op kept whole, join a "
             "residual add in which another branch keeps them, or carry a nonzero constant (exact=True)",
