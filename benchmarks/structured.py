@@ -5,9 +5,11 @@
     python benchmarks/structured.py --device cuda --dtype bfloat16 --batch 64   # on a GPU (benchmarks/gpu_check.sh)
 
 Models have random weights pruned with ``structure="neurons+heads"`` (T5; GPT-2's config cannot say fewer heads of
-the same size, so GPT-2 prunes ``neurons``) or ``"filters"`` (ResNet-50), ``criterion="l2"``: timing depends on the
-shapes only. Every ratio is the median of interleaved repeats of the same input (machines are noisy: read ratios).
-``shrink`` checks on the timed input that the smaller model's outputs equal the pruned one's (relative 1e-4).
+the same size, so GPT-2 prunes ``neurons``) or ``"filters"`` (ResNet-50, smp PSPNet), ``criterion="l2"``: timing
+depends on the shapes only. Convnets are shrunk twice: to the widths their library's arguments state (the
+default, what a structured run saves) and with ``fit_config=False`` (every removable channel cut). Every ratio is
+the median of interleaved repeats of the same input (machines are noisy: read ratios). ``shrink`` checks on the
+timed input that the smaller model's outputs equal the pruned one's (relative 1e-4).
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def resnet50():
     return timm.create_model("resnet18" if DRY else "resnet50", pretrained=False)
 
 
+def pspnet(encoder):
+    def make():
+        import segmentation_models_pytorch as smp
+
+        torch.manual_seed(0)  # smp's default depth 3 (PSP on stride-8 features); tu-: timm's encoder, stated widths
+        name = encoder.replace("50", "18") if DRY else encoder
+        return smp.PSPNet(encoder_name=name, encoder_weights=None, classes=21)
+
+    return make
+
+
 VOCAB = {"t5": 32128, "gpt2": 50257}
 
 
@@ -66,8 +79,9 @@ def tokens(batch, length, vocab, device, seq2seq):
     return out
 
 
-def bench_model(name, make, structure, sparsities, workloads, args):
-    """Rows for ``make()`` pruned to each sparsity: forward (and generate) dense-shaped vs shrunk."""
+def bench_model(name, make, structure, sparsities, workloads, args, fit_config=(True,)):
+    """Rows for ``make()`` pruned to each sparsity: forward (and generate) dense-shaped vs shrunk (for convnets
+    with ``fit_config`` True, the widths timm states, and False, every removable channel cut)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     base = make().to(device=device, dtype=dtype).eval()
     dense_params = parameter_count(base)
@@ -75,13 +89,16 @@ def bench_model(name, make, structure, sparsities, workloads, args):
         pruned = copy.deepcopy(base)
         apply_masks(pruned, compute_masks(pruned, sparsity, structure=structure, criterion="l2"))
         check = workloads[0][1]  # shrink checks outputs on the first input
-        small = shrink(pruned, check, rtol=1e-4 if dtype == torch.float32 else 2e-2).eval()
-        ratio = parameter_count(small) / dense_params
-        for label, batch, call in workloads:
-            with torch.inference_mode():
-                d, s = time_pair(partial(call, pruned, batch), partial(call, small, batch), args.repeats, device)
-            row(name, f"{sparsity:.0%} {structure}", label, f"{d:.1f}", f"{s:.1f}", f"**{d / s:.2f}x**", f"{ratio:.3f}")
-        del pruned, small
+        for fit in fit_config:
+            small = shrink(pruned, check, rtol=1e-4 if dtype == torch.float32 else 2e-2, fit_config=fit).eval()
+            ratio, how = parameter_count(small) / dense_params, "" if fit else " (fit_config=False)"
+            for label, batch, call in workloads:
+                with torch.inference_mode():
+                    d, s = time_pair(partial(call, pruned, batch), partial(call, small, batch), args.repeats, device)
+                speedup = f"**{d / s:.2f}x**"
+                row(name, f"{sparsity:.0%} {structure}{how}", label, f"{d:.1f}", f"{s:.1f}", speedup, f"{ratio:.3f}")
+            del small
+        del pruned
 
 
 def forward(model, batch):
@@ -102,7 +119,8 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batch", type=int, default=8, help="the larger batch (the smaller is 1)")
-    parser.add_argument("--only", nargs="*", default=["t5", "gpt2", "resnet50"], choices=["t5", "gpt2", "resnet50"])
+    models = ["t5", "gpt2", "resnet50", "pspnet"]
+    parser.add_argument("--only", nargs="*", default=models, choices=models)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="tiny models, 64 px, 2 repeats: checks it runs")
     args = parser.parse_args()
@@ -123,6 +141,7 @@ def main():
         prompt = {"input_ids": small["input_ids"]}
         work = [("forward 1x32", small, forward), (f"forward {b}x128", large, forward)]
         work.append(("generate 1x32 -> 32", prompt, generate(32)))
+        work.append((f"generate {b}x32 -> 32", {"input_ids": large["input_ids"][:, :32]}, generate(32)))
         bench_model("T5-small", t5_small, "neurons+heads", sparsities, work, args)
     if "gpt2" in args.only:
         small, large = tokens(1, 32, VOCAB["gpt2"], device, False), tokens(b, 128, VOCAB["gpt2"], device, False)
@@ -134,7 +153,15 @@ def main():
         px = 64 if args.dry_run else 224
         images = [torch.randn(n, 3, px, px, generator=g).to(device, getattr(torch, args.dtype)) for n in (1, b)]
         work = [(f"forward {n}x{px}px", x, forward) for n, x in zip((1, b), images)]
-        bench_model("ResNet-50", resnet50, "filters", [0.5], work, args)
+        bench_model("ResNet-50", resnet50, "filters", [0.5], work, args, fit_config=(True, False))
+    if "pspnet" in args.only:
+        g = torch.Generator().manual_seed(0)
+        px = 64 if args.dry_run else 256
+        images = [torch.randn(n, 3, px, px, generator=g).to(device, getattr(torch, args.dtype)) for n in (1, b)]
+        work = [(f"forward {n}x{px}px", x, forward) for n, x in zip((1, b), images)]
+        for encoder in ("tu-resnet50", "resnet50"):
+            make = pspnet(encoder)
+            bench_model(f"PSPNet ({encoder})", make, "filters", [0.5], work, args, fit_config=(True, False))
 
 
 if __name__ == "__main__":
