@@ -138,3 +138,20 @@ with torch.no_grad():
 """)
     assert main(["speed", str(folder), "--repeats", "2", "--image-size", "32"]) == 0
     assert "the smaller model vs the dense shapes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("architecture", ["FPN", "DeepLabV3", "Unet"])
+def test_smp_architectures_are_followed_through_their_decoders(architecture):
+    """fx follows smp's encoders and decoders (resizing, residual adds); concatenations keep their channels."""
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(0)
+    model = getattr(smp, architecture)(encoder_name="resnet18", encoder_weights=None, classes=2).eval()
+    apply_masks(model, compute_masks(model, 0.5, structure="filters", criterion="l2"))
+    x = _images(1, 64)
+    with pytest.warns(UserWarning, match="kept .* all-zero filters"):  # what a concatenation or stream keeps
+        free = shrink(model, x, fit_config=False)
+    fitted = shrink(model, x)
+    assert parameter_count(free) < 0.9 * parameter_count(model) and parameter_count(fitted) <= parameter_count(model)
+    for smaller in (free, fitted):
+        torch.testing.assert_close(eval_output(smaller, x), eval_output(model, x), rtol=1e-4, atol=1e-5)
