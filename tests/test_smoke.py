@@ -108,7 +108,11 @@ def test_every_shipped_config_has_a_smoke_run():
     assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(RECIPE_OF)
 
 
-@pytest.mark.parametrize("recipe", ["t5_wmt16", "image_classification", "pspnet_segmentation", "cifar"])
+# timm's 2-process path is in CI through tests/test_loop_parallel.py (every family); its smoke run is -m slow
+@pytest.mark.parametrize(
+    "recipe",
+    ["t5_wmt16", pytest.param("image_classification", marks=pytest.mark.slow), "pspnet_segmentation", "cifar"],
+)
 def test_smoke_run_on_two_processes(smoke_runs, recipe):
     # every family saves the replicas its process owns (transformers writes only on rank 0 unless told)
     runs = {n: smoke_runs(recipe, [], nproc=n)[0] for n in (1, 2)}
