@@ -158,3 +158,19 @@ def test_smp_architectures_are_followed_through_their_decoders(architecture):
     assert parameter_count(free) < 0.9 * parameter_count(model) and parameter_count(fitted) <= parameter_count(model)
     for smaller in (free, fitted):
         torch.testing.assert_close(eval_output(smaller, x), eval_output(model, x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_soup_shrink_cannot_cut_is_still_saved_pruned(tmp_path):
+    """At the end of a long run a shrink that fails loses nothing: the pruned soup is saved, the recipe says why."""
+    from unittest import mock
+
+    from hf_sms.loop.final_soup import save_final_soup
+
+    pruned, x = _pruned(make_resnet), _images()
+    folder = str(tmp_path / "soup")
+    with mock.patch("hf_sms.loop.final_soup.shrink", side_effect=ValueError("outputs differ")):
+        save_final_soup(pruned, folder, dense=make_resnet(), structure="filters", example=x, recipe={})
+    shrunk = json.loads((tmp_path / "soup" / "sparsity.json").read_text())["recipe"]["shrunk"]
+    assert shrunk["saved"] == "pruned" and "outputs differ" in shrunk["why"]
+    loaded = hf_sms.load_sparse(folder)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), pruned.state_dict().values()))

@@ -31,8 +31,8 @@ def save_final_soup(
         return save_sparse(soup, directory, recipe=recipe, **kwargs)
     try:
         smaller = shrink(soup, example, structure=structure)
-    except NotImplementedError as e:  # torch.fx cannot follow this model's conv channels
-        why = f"hf_sms.shrink cannot follow its channels ({str(e)[:200]})"
+    except (NotImplementedError, ValueError) as e:  # fx cannot follow its channels; a layer shrink gets wrong
+        why = f"hf_sms.shrink could not make it smaller ({str(e)[:200]})"
         logger.warning("[hf-sms] the final soup is saved as the pruned model, not a smaller one: %s", why)
         return save_sparse(soup, directory, recipe={**recipe, "shrunk": {"saved": "pruned", "why": why}}, **kwargs)
     record = shrink_record(dense, soup, smaller, structure)
