@@ -174,3 +174,27 @@ def test_a_soup_shrink_cannot_cut_is_still_saved_pruned(tmp_path):
     assert shrunk["saved"] == "pruned" and "outputs differ" in shrunk["why"]
     loaded = hf_sms.load_sparse(folder)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), pruned.state_dict().values()))
+
+
+def test_a_unit_run_says_before_training_how_much_smaller_its_soup_will_be(tmp_path, caplog):
+    """An hour of training should not end in a pruned model no smaller than the dense one without a word first."""
+    from conftest import sms_config
+
+    from hf_sms.evaluation import ClassificationAccuracy
+
+    class Concatenating(nn.Module):  # every conv's channels reach a concatenation: none can be cut
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(11, 4)
+
+        def forward(self, x):
+            return self.fc(torch.cat([x, self.conv(x).relu()], 1).mean((2, 3)))
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(3, 8, 8, generator=g), "labels": torch.tensor(i % 4)} for i in range(16)]
+    for model, expected in ((Concatenating(), "hardly smaller (about 1.000x"), (make_resnet(), "about 0.")):
+        args = sms_config(tmp_path, structure="filters", target_sparsity=0.5, n_phases=1, max_steps=2)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="hf_sms.loop.checks"):
+            hf_sms.SparseModelSoup(model, args, data[:8], ClassificationAccuracy(), eval_dataset=data[8:])
+        assert expected in caplog.text, caplog.text

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 
 from transformers.trainer_utils import has_length
 
 from ..data import peek
-from ..pruning.masks import resolve_pruning
+from ..pruning.masks import apply_masks, compute_masks, resolve_pruning
 from ..pruning.prunable import prunable_tensors
+from ..pruning.shrink import parameter_count, shrink
 from ..pruning.structured import traced
-from ..pruning.structures import NOfM, unit_groups
+from ..pruning.structures import NOfM, is_unit_structure, unit_groups
 from ..registry import STRUCTURES
+
+logger = logging.getLogger(__name__)
 
 
 def check_inputs(args, train_dataset, eval_dataset, metric_fn) -> None:
@@ -54,9 +60,10 @@ def check_hub_access(token: str | None) -> None:
         ) from None
 
 
-def check_model(args, model) -> None:
+def check_model(args, model, example: Callable[[], object] | None = None) -> None:
     """Raise before any work where ``model`` has no weights yet (the meta device) or the allocation cannot prune
-    it at all (filter pruning without convs)."""
+    it at all (filter pruning without convs); with ``example`` (a batch, on the main process), say how much
+    smaller a unit run's final soup will be (:func:`preview_shrink`)."""
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
         raise ValueError(
@@ -64,6 +71,39 @@ def check_model(args, model) -> None:
             "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
         )
     check_structure(args, model)
+    if example is not None and (batch := example()) is not None and is_unit_structure(args.pruning["structure"]):
+        preview_shrink(args, model, batch)
+
+
+def preview_shrink(args, model, batch) -> float | None:
+    """Log, before training, the parameters of the model pruned once to the target and shrunk, against the dense
+    ones: about what the final soup will have (its units are chosen by training, their numbers are not). Warn
+    where it would hardly be smaller (grouped or depthwise convs, concatenations, widths no argument states).
+    Skipped above 1B parameters, where the copy it prunes would cost more memory than a log line is worth."""
+    if parameter_count(model) > 1e9:
+        return None
+    pruned = copy.deepcopy(model)
+    try:
+        apply_masks(pruned, compute_masks(pruned, args.target_sparsity, example_inputs=batch, **args.pruning))
+        with warnings.catch_warnings():  # shrink's note on the zero filters it keeps: the line below says it
+            warnings.simplefilter("ignore", UserWarning)
+            smaller = shrink(pruned, batch, structure=args.pruning["structure"])
+        ratio = parameter_count(smaller) / parameter_count(model)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        logger.warning("[hf-sms] could not preview the smaller model (%s); training goes on", str(e)[:200])
+        return None
+    structure, target = args.pruning["structure"], args.target_sparsity
+    if ratio > 0.95:
+        logger.warning(
+            "[hf-sms] structure=%r at %g: the final soup will be pruned but hardly smaller (about %.3fx the dense "
+            "parameters): its removed units stay as zeros where grouped or depthwise convs, concatenations or "
+            "widths its library cannot state keep their channels; shrink(model, batch, fit_config=False) cuts more",
+            structure, target, ratio,
+        )  # fmt: skip
+    else:
+        logger.info("[hf-sms] structure=%r at %g: the final soup will have about %.3fx the dense parameters",
+                    structure, target, ratio)  # fmt: skip
+    return ratio
 
 
 def check_structure(args, model) -> None:

@@ -115,7 +115,7 @@ class SparseModelSoup:
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
         check_world(args, self.world)
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
-        check_model(args, model)
+        check_model(args, model, lambda: self.example if self.world.is_main else None)
         # What training depends on; test sets are measured after it, so adding one keeps the finished replicas.
         fingerprint, defaults = run_fingerprint(args, model, {"train": train_dataset, "eval": eval_dataset})
         self.run_dir = RunDirectory(
