@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .structured import kept_widths, shrink_filters
+from .structured import shrink_filters
 
 # Constructor arguments that size conv widths: True where a larger value gives wider convs (timm ResNet's
 # ``block_reduce_first`` divides them). smp passes unknown keyword arguments on to a ``tu-`` (timm) encoder.
@@ -102,23 +102,34 @@ def _conv_widths(model: nn.Module) -> dict[str, int]:
 def _built_widths(rebuild: Rebuild, overrides: dict) -> dict[str, int] | None:
     try:
         with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # zero-width layers of a value too small say so; fits() refuses them
+            warnings.simplefilter("ignore")  # zero-width layers of a value too small say so; the search refuses them
             return _conv_widths(rebuild.build(overrides))
     except Exception:  # a value the constructor refuses (e.g. timm's BasicBlock asserts base_width == 64)
         return None
 
 
-def _search(rebuild: Rebuild, chosen: dict, knob: str, wider: bool, dense: dict, kept: dict) -> int | None:
+def _widths_by_arguments(rebuild: Rebuild) -> Callable[[dict], dict[str, int] | None]:
+    """:func:`_built_widths` remembered per set of arguments: the search asks for the same ones again."""
+    cache: dict[tuple, dict[str, int] | None] = {}
+
+    def widths_of(overrides: dict) -> dict[str, int] | None:
+        key = tuple(sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = _built_widths(rebuild, overrides)
+        return cache[key]
+
+    return widths_of
+
+
+def _search(widths_of, chosen: dict, knob: str, wider: bool, dense: dict, kept: dict) -> int | None:
     """The value of ``knob`` (beside the knobs ``chosen`` before it) giving the fewest channels with every conv
     between its kept and dense width."""
 
-    def fits(value):
-        widths = _built_widths(rebuild, {**chosen, knob: value})
-        return widths is not None and widths.keys() == dense.keys() and all(kept[n] <= widths[n] for n in kept)
-
-    def within(value):
-        widths = _built_widths(rebuild, {**chosen, knob: value})
-        return widths is not None and widths.keys() == dense.keys() and all(widths[n] <= dense[n] for n in dense)
+    def fits(value, top=False):
+        widths = widths_of({**chosen, knob: value})
+        if widths is None or widths.keys() != dense.keys():
+            return False
+        return all(kept[n] <= widths[n] for n in kept) and (not top or all(widths[n] <= dense[n] for n in dense))
 
     # fits() is monotone in the value: find where it turns, by doubling then bisection
     lo, hi = 0, 1
@@ -130,7 +141,23 @@ def _search(rebuild: Rebuild, chosen: dict, knob: str, wider: bool, dense: dict,
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) != wider else (lo, mid)
     value = hi if wider else lo
-    return value if value > 0 and fits(value) and within(value) else None
+    return value if value > 0 and fits(value, top=True) else None
+
+
+def _arguments(rebuild: Rebuild, widths_of, dense: dict, kept: dict) -> dict:
+    """The knob values of the smallest model that holds ``kept`` (``{}`` where the arguments do not rebuild the
+    model, or no knob makes it smaller)."""
+    if widths_of({}) != dense:
+        return {}
+    overrides = {}
+    for knob, wider in KNOBS.items():  # one after the other: timm's base_width and block_reduce_first both size a conv
+        if rebuild.accepts(knob) and (value := _search(widths_of, overrides, knob, wider, dense, kept)) is not None:
+            if widths_of({**overrides, knob: value}) != widths_of(overrides):
+                overrides[knob] = value  # an argument that changes nothing is not written
+    widths = widths_of(overrides)
+    if widths is None or any(not kept[n] <= widths[n] <= dense[n] for n in kept):
+        return {}  # knobs that do not combine: keep the dense widths
+    return overrides
 
 
 @torch.no_grad()
@@ -142,28 +169,25 @@ def fit_filters(model: nn.Module, example_inputs) -> tuple[nn.Module, dict]:
     rebuild = rebuild_of(model)
     if rebuild is None:
         return shrink_filters(model, example_inputs), {}
-    dense, kept = _conv_widths(model), kept_widths(model, example_inputs)
-    if _built_widths(rebuild, {}) != dense:  # the arguments do not rebuild this model: state nothing
-        return shrink_filters(model, example_inputs, widths=dense), {}
-    overrides = {}
-    for knob, wider in KNOBS.items():  # one after the other: timm's base_width and block_reduce_first both size a conv
-        if rebuild.accepts(knob) and (value := _search(rebuild, overrides, knob, wider, dense, kept)) is not None:
-            if _built_widths(rebuild, {**overrides, knob: value}) != _built_widths(rebuild, overrides):
-                overrides[knob] = value  # an argument that changes nothing is not written
-    widths = _built_widths(rebuild, overrides)
-    if widths is None or any(not kept[n] <= widths[n] <= dense[n] for n in kept):
-        overrides, widths = {}, dense  # knobs that do not combine: keep the dense widths
-    smaller = shrink_filters(model, example_inputs, widths={n: widths[n] for n in kept})
+    dense, widths_of, chosen = _conv_widths(model), _widths_by_arguments(rebuild), {}
+
+    def fitted(kept: dict[str, int]) -> dict[str, int]:  # called by shrink_filters with what its analysis keeps
+        chosen.update(_arguments(rebuild, widths_of, dense, kept))
+        widths = widths_of(chosen) if chosen else dense
+        return {n: widths[n] for n in kept}
+
+    smaller = shrink_filters(model, example_inputs, widths=fitted)
+    if not chosen:  # the dense widths: nothing to state
+        return smaller, chosen
     with torch.device("meta"):
-        built = rebuild.build(overrides)
-    shapes = {k: tuple(v.shape) for k, v in built.state_dict().items()}
-    if shapes != {k: tuple(v.shape) for k, v in smaller.state_dict().items()}:
+        built = rebuild.build(chosen)
+    if {k: v.shape for k, v in built.state_dict().items()} != {k: v.shape for k, v in smaller.state_dict().items()}:
         raise ValueError(
-            f"fit_filters: {type(model).__name__} built with {overrides} has other shapes than its shrunk copy; "
+            f"fit_filters: {type(model).__name__} built with {chosen} has other shapes than its shrunk copy; "
             "please report it with the model's name"
         )
-    rebuild.commit(smaller, overrides)
-    return smaller, overrides
+    rebuild.commit(smaller, chosen)
+    return smaller, chosen
 
 
 def dense_arguments(dense: nn.Module, smaller: nn.Module) -> dict:

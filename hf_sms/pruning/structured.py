@@ -12,7 +12,7 @@ import copy
 import math
 import operator
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import fx, nn
@@ -240,7 +240,10 @@ def _removable(model: nn.Module, example_inputs, exact: bool) -> tuple[fx.GraphM
 
 def kept_widths(model: nn.Module, example_inputs, exact: bool = True) -> dict[str, int]:
     """``{conv name: output channels}`` that :func:`shrink_filters` leaves each conv of ``model``: the fewest."""
-    gm, g, removed = _removable(model, example_inputs, exact)
+    return _kept(*_removable(model, example_inputs, exact))
+
+
+def _kept(gm: fx.GraphModule, g: _Graph, removed: dict) -> dict[str, int]:
     out = {}
     for name, sid in g.producers:
         gone = removed.get(g.find(sid))
@@ -250,7 +253,10 @@ def kept_widths(model: nn.Module, example_inputs, exact: bool = True) -> dict[st
 
 @torch.no_grad()
 def shrink_filters(
-    model: nn.Module, example_inputs, exact: bool = True, widths: Mapping[str, int] | None = None
+    model: nn.Module,
+    example_inputs,
+    exact: bool = True,
+    widths: Mapping[str, int] | Callable[[dict[str, int]], Mapping[str, int]] | None = None,
 ) -> nn.Module:
     """A physically smaller dense copy of ``model`` without its removed (all-zero) conv filters (Li et al. 2017).
 
@@ -276,7 +282,8 @@ def shrink_filters(
             count also skips a conv's reads of a channel removed before a residual add that a dense export keeps).
         widths: ``{conv name: output channels}`` to leave (at least :func:`kept_widths`'s, at most the conv's): a
             channel space keeps removed (all-zero) channels too, lowest first, up to its producers' width, so
-            that the copy has the widths its family's config can state (:mod:`hf_sms.pruning.fit_config`).
+            that the copy has the widths its family's config can state (:mod:`hf_sms.pruning.fit_config`). Or a
+            function of the :func:`kept_widths` dict giving them, which then reads the model only once.
 
     Returns:
         The smaller model, same class and module names, in ``model``'s training mode.
@@ -285,6 +292,8 @@ def shrink_filters(
         ValueError: ``widths`` below what :func:`kept_widths` leaves, above the conv's, or unequal in one space.
     """
     gm, g, removed = _removable(model, example_inputs, exact)
+    if callable(widths):
+        widths = widths(_kept(gm, g, removed))
     wanted: dict[int, int] = {}
     for name, sid in g.producers if widths else ():
         root, size = g.find(sid), gm.get_submodule(name).out_channels
