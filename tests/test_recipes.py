@@ -257,7 +257,8 @@ def test_pspnet_recipe_on_a_saved_dataset(tmp_path):
 
     datasets.DatasetDict({"train": split(8), "validation": split(4)}).save_to_disk(tmp_path / "seg")
     recipe = _recipe("pspnet_segmentation")
-    model = recipe.ModelArguments(encoder_name="resnet18", encoder_weights=None, num_classes=2, crop_size=32)
+    model = recipe.ModelArguments(encoder_name="tu-resnet18", encoder_weights=None, num_classes=2, crop_size=32)
+    model.encoder_depth, model.output_stride = 3, 32  # small: the data path is what is checked
     data = DataArguments(dataset_path=str(tmp_path / "seg"))
     args = _args(tmp_path, optim="sgd", learning_rate=0.01)
     runner = recipe.main(model, data, args)
