@@ -57,12 +57,12 @@ def worker(out: str) -> None:
 
 
 def run(nproc: int, env: dict) -> dict:
-    out = tempfile.mkdtemp(prefix="hf-sms-eval-")
-    cmd = [os.path.abspath(__file__), "--worker", out]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    subprocess.run([sys.executable, *launcher, *cmd], env=env, check=True, capture_output=True)
-    with open(os.path.join(out, "eval.json")) as f:
-        return json.load(f)
+    with tempfile.TemporaryDirectory(prefix="hf-sms-eval-") as out:
+        cmd = [os.path.abspath(__file__), "--worker", out]
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+        subprocess.run([sys.executable, *launcher, *cmd], env=env, check=True, capture_output=True)
+        with open(os.path.join(out, "eval.json")) as f:
+            return json.load(f)
 
 
 def main() -> None:

@@ -29,14 +29,15 @@ env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 def phase_seconds(nproc: int, replicas: int) -> tuple[float, float]:
     """(phase seconds, seconds evaluating the phase's soup)."""
-    out = tempfile.mkdtemp(prefix="hf-sms-scaling-")
-    cmd = [sys.executable, SCRIPT, out, "--phases", "1", "--replicas", str(replicas), "--steps", str(cli.steps)]
-    cmd += ["--eval-copies", str(cli.eval_copies)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd[1:]]
-    subprocess.run(cmd, env=env, check=True, capture_output=True)
-    with open(os.path.join(out, "results.json")) as f:
-        phase = json.load(f)["sms"][0]
+    with tempfile.TemporaryDirectory(prefix="hf-sms-scaling-") as out:
+        cmd = [sys.executable, SCRIPT, out, "--phases", "1", "--replicas", str(replicas), "--steps", str(cli.steps)]
+        cmd += ["--eval-copies", str(cli.eval_copies)]
+        if nproc > 1:
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            cmd = [sys.executable, *launcher, *cmd[1:]]
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        with open(os.path.join(out, "results.json")) as f:
+            phase = json.load(f)["sms"][0]
     return phase["seconds"], phase["eval_seconds"]
 
 
