@@ -134,6 +134,7 @@ def test_sms_with_filters_gives_a_plain_smaller_timm_or_smp_model(tmp_path, name
     assert shrunk["zero_filters_kept"] > 0  # timm's 64-wide stem, smp's own encoder: no argument states them
     card = (folder / "README.md").read_text()
     assert "**No hf-sms needed**" in card and f"{shrunk['zero_filters_kept']:,} removed filters stay" in card
+    assert "saves these FLOPs as it is, on any device, but for the all-zero filters it keeps (above)." in card
     batch = torch.stack([r["x"] for r in data[:4]])
     torch.save({"batch": batch, "expected": eval_output(soup, batch)}, tmp_path / "io.pt")
     load = (

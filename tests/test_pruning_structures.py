@@ -336,7 +336,7 @@ def test_sms_with_neurons_and_heads_gives_a_plain_smaller_t5(tmp_path):
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     card = (folder / "README.md").read_text()
     assert "**No hf-sms needed**" in card and "whole units cut out" in card and "it loads with its own library" in card
-    assert "does these FLOPs as it is, on any device" in card and "sparse kernels" not in card
+    assert "saves these FLOPs as it is, on any device." in card and "sparse kernels" not in card
     batch = {k: torch.stack([r[k] for r in rows[:4]]) for k in rows[0]}
     torch.save({"batch": batch, "expected": eval_output(soup, batch)}, tmp_path / "io.pt")
     out = without_hf_sms(f"""import torch, transformers

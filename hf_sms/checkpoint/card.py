@@ -343,7 +343,8 @@ def model_card(
         f"- Checkpoint format: {_code(info.get('format'))}, weights {weights / 1e6:.2f} MB on disk.",
         f"- {SPEEDUP}: {speed}. "
         + (
-            "Whole units are cut out: the smaller model does these FLOPs as it is, on any device."
+            "Whole units are cut out: the smaller model saves these FLOPs as it is, on any device"
+            + (", but for the all-zero filters it keeps (above)." if shrunk.get("zero_filters_kept") else ".")
             if smaller
             else "Unstructured sparsity runs faster only with sparse kernels; it always shrinks the checkpoint."
         ),
