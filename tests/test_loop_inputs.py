@@ -190,3 +190,46 @@ def test_the_readme_merge_command_works_on_the_folders_a_run_writes(tmp_path, di
     dense = load_sparse("soup-dense", _net())
     assert all(torch.equal(dense.state_dict()[k], v) for k, v in soup.state_dict().items())
     assert json.loads(Path("soup-dense/sparsity.json").read_text())["format"] == "dense"
+
+
+class _WithUnusedStage(torch.nn.Module):
+    """A stage that is built but never called (as smp's own encoders keep theirs at ``encoder_depth < 5``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 3)
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(self.used(x).mean((2, 3)))
+
+
+def test_weights_that_no_forward_uses_are_warned_about_before_training(tmp_path, caplog):
+    """They would be pruned and counted like the rest: a global allocation and every reported sparsity skewed."""
+    import segmentation_models_pytorch as smp
+    from conftest import make_pspnet, make_t5
+
+    from hf_sms.loop.checks import warn_unused_weights
+
+    images = {"x": torch.randn(2, 3, 32, 32)}
+    native = smp.PSPNet(encoder_name="resnet18", encoder_weights=None, encoder_depth=3, classes=2)
+    unused = warn_unused_weights(native, images)
+    assert unused and all(n.startswith(("encoder.layer3.", "encoder.layer4.")) for n in unused)
+    assert len(unused) == 10  # ResNet-18's last two stages: 4 convs each and a downsampling conv each
+    ids = torch.randint(2, 384, (2, 6))
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)  # MHA reads out_proj without calling it
+    for model, batch in (
+        (make_pspnet(), images),
+        (make_t5(), {"input_ids": ids, "labels": ids}),
+        (layer, torch.randn(2, 3, 8)),
+    ):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hf_sms.loop.checks"):
+            assert warn_unused_weights(model, batch) == [], type(model).__name__
+        assert "no gradient" not in caplog.text
+    assert native.training and all(p.grad is None for p in native.parameters())  # the model is left as it was
+
+    data = [{"x": torch.randn(3, 8, 8), "labels": torch.tensor(i % 4)} for i in range(8)]
+    with caplog.at_level("WARNING", logger="hf_sms.loop.checks"):
+        SparseModelSoup(_WithUnusedStage(), _args(tmp_path), data[:4], ClassificationAccuracy(), eval_dataset=data[4:])
+    assert "144 prunable weights" in caplog.text and "unused.weight" in caplog.text, caplog.text

@@ -8,11 +8,13 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 
+import torch
 from transformers.trainer_utils import has_length
 
+from ..batchnorm import forward_batch
 from ..data import peek
 from ..pruning.masks import apply_masks, compute_masks, resolve_pruning
-from ..pruning.prunable import prunable_tensors
+from ..pruning.prunable import accepts_labels, prunable_tensors, unfused_attention
 from ..pruning.shrink import parameter_count, shrink
 from ..pruning.structured import traced
 from ..pruning.structures import NOfM, is_unit_structure, unit_groups
@@ -71,8 +73,57 @@ def check_model(args, model, example: Callable[[], object] | None = None) -> Non
             "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
         )
     check_structure(args, model)
-    if example is not None and (batch := example()) is not None and is_unit_structure(args.pruning["structure"]):
-        preview_shrink(args, model, batch)
+    if example is not None and (batch := example()) is not None:
+        warn_unused_weights(model, batch)
+        if is_unit_structure(args.pruning["structure"]):
+            preview_shrink(args, model, batch)
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    """The tensors of a model's output (a tensor, a tuple, a dict or a ``ModelOutput``) that carry gradients."""
+    if torch.is_tensor(out):
+        return [out] if out.requires_grad else []
+    items = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
+    return [t for item in items for t in _outputs(item)]
+
+
+def warn_unused_weights(model, batch) -> list[str]:
+    """Warn where prunable weights get no gradient from a forward on ``batch`` (in eval mode): they are pruned and
+    counted in the sparsity like the others, which skews a global allocation and every reported sparsity. smp's
+    own encoders at ``encoder_depth < 5`` keep the stages they do not use, for one. Returns their names; skipped
+    above 1B parameters (a backward of the batch before training)."""
+    tensors = [t for t in prunable_tensors(model) if t.param.requires_grad]
+    if not tensors or parameter_count(model) > 1e9:
+        return []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad(), unfused_attention():
+            device = next(model.parameters()).device
+            out = forward_batch(model, batch, device, keep_labels=accepts_labels(model))
+            loss = getattr(out, "loss", None)
+            outputs = [loss] if torch.is_tensor(loss) and loss.requires_grad else _outputs(out)
+            if not outputs:
+                return []
+            total = sum(o.float().sum() for o in outputs)
+            grads = torch.autograd.grad(total, [t.param for t in tensors], allow_unused=True)
+    except (RuntimeError, TypeError, ValueError) as e:  # a batch this check cannot feed: the run finds out itself
+        logger.debug("[hf-sms] unused-weight check skipped: %r", e)
+        return []
+    finally:
+        model.train(was_training)
+    unused = [t for t, g in zip(tensors, grads) if g is None]
+    if unused:
+        count = sum(t.param.numel() for t in unused)
+        names = ", ".join(t.name for t in unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        logger.warning(
+            "[hf-sms] %s prunable weights (%.1f%% of them) get no gradient on a training batch: %s. They are pruned "
+            "and counted in the sparsity like the rest, which skews a global allocation and the reported sparsity. "
+            "Remove those layers from the model (smp: a `tu-` encoder builds only the stages it uses), or ignore "
+            "this if they serve other inputs (experts, training-only heads)",
+            f"{count:,}", 100 * count / sum(t.param.numel() for t in tensors), names,
+        )  # fmt: skip
+    return [t.name for t in unused]
 
 
 def preview_shrink(args, model, batch) -> float | None:
