@@ -322,8 +322,12 @@ def model_card(
     sparsity, numel, nnz = (_number(info, key, directory) for key in ("sparsity", "numel", "nnz"))
     # The speedup is stated here only: a second mention could only disagree with this one.
     speed = f"**{_cell(speedup)}x** over the dense model" if speedup is not None else "not measured"
-    shrunk = recipe.get("shrunk")
-    smaller = isinstance(shrunk, dict) and shrunk.get("saved") == "smaller"
+    shrunk = recipe.get("shrunk") if isinstance(recipe.get("shrunk"), dict) else {}
+    if shrunk.get("saved") == "smaller":
+        but = ", but for the all-zero filters it keeps (above)" if shrunk.get("zero_filters_kept") else ""
+        speed_note = f"Whole units are cut out: the smaller model saves these FLOPs as it is, on any device{but}."
+    else:
+        speed_note = "Unstructured sparsity runs faster only with sparse kernels; it always shrinks the checkpoint."
     body = [
         CARD_MARK,
         "",
@@ -341,13 +345,7 @@ def model_card(
         f"- Sparsity: **{100 * sparsity:.2f}%** of the {int(numel):,} prunable weights are zero "
         f"({int(nnz):,} kept); mask {_code(info.get('mask_hash'))}.",
         f"- Checkpoint format: {_code(info.get('format'))}, weights {weights / 1e6:.2f} MB on disk.",
-        f"- {SPEEDUP}: {speed}. "
-        + (
-            "Whole units are cut out: the smaller model saves these FLOPs as it is, on any device"
-            + (", but for the all-zero filters it keeps (above)." if shrunk.get("zero_filters_kept") else ".")
-            if smaller
-            else "Unstructured sparsity runs faster only with sparse kernels; it always shrinks the checkpoint."
-        ),
+        f"- {SPEEDUP}: {speed}. {speed_note}",
         f"- {SHRUNK if (measured or {}).get('layout') == 'shrunk' else MEASURED}: "
         + (format_measured(measured) if measured else "not timed for this card; `hf-sms speed DIR` times it on yours")
         + ".",

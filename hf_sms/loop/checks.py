@@ -64,8 +64,10 @@ def check_hub_access(token: str | None) -> None:
 
 def check_model(args, model, example: Callable[[], object] | None = None) -> None:
     """Raise before any work where ``model`` has no weights yet (the meta device) or the allocation cannot prune
-    it at all (filter pruning without convs); with ``example`` (a batch, on the main process), say how much
-    smaller a unit run's final soup will be (:func:`preview_shrink`)."""
+    it at all (filter pruning without convs); with ``example`` (a batch, on the main process), warn about weights
+    no forward uses (:func:`warn_unused_weights`) and say how much smaller a unit run's final soup will be
+    (:func:`preview_shrink`). Both skip models above 1B parameters: a backward or a copy costs more than a log
+    line is worth there."""
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
         raise ValueError(
@@ -73,7 +75,7 @@ def check_model(args, model, example: Callable[[], object] | None = None) -> Non
             "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
         )
     check_structure(args, model)
-    if example is not None and (batch := example()) is not None:
+    if example is not None and parameter_count(model) <= 1e9 and (batch := example()) is not None:
         warn_unused_weights(model, batch)
         if is_unit_structure(args.pruning["structure"]):
             preview_shrink(args, model, batch)
@@ -90,10 +92,9 @@ def _outputs(out) -> list[torch.Tensor]:
 def warn_unused_weights(model, batch) -> list[str]:
     """Warn where prunable weights get no gradient from a forward on ``batch`` (in eval mode): they are pruned and
     counted in the sparsity like the others, which skews a global allocation and every reported sparsity. smp's
-    own encoders at ``encoder_depth < 5`` keep the stages they do not use, for one. Returns their names; skipped
-    above 1B parameters (a backward of the batch before training)."""
+    own encoders at ``encoder_depth < 5`` keep the stages they do not use, for one. Returns their names."""
     tensors = [t for t in prunable_tensors(model) if t.param.requires_grad]
-    if not tensors or parameter_count(model) > 1e9:
+    if not tensors:
         return []
     was_training = model.training
     model.eval()
@@ -129,10 +130,7 @@ def warn_unused_weights(model, batch) -> list[str]:
 def preview_shrink(args, model, batch) -> float | None:
     """Log, before training, the parameters of the model pruned once to the target and shrunk, against the dense
     ones: about what the final soup will have (its units are chosen by training, their numbers are not). Warn
-    where it would hardly be smaller (grouped or depthwise convs, concatenations, widths no argument states).
-    Skipped above 1B parameters, where the copy it prunes would cost more memory than a log line is worth."""
-    if parameter_count(model) > 1e9:
-        return None
+    where it would hardly be smaller (grouped or depthwise convs, concatenations, widths no argument states)."""
     pruned = copy.deepcopy(model)
     try:
         apply_masks(pruned, compute_masks(pruned, args.target_sparsity, example_inputs=batch, **args.pruning))
