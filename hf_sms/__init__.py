@@ -9,16 +9,14 @@ from .hub import push_to_hub
 from .loop.sms import SparseModelSoup, run_sms
 from .methods.common import MethodContext
 from .phase import PhaseSpec
+from .plan import PruningPlan, compute_masks, prune, resolve_pruning
 from .pruning import (
     CriterionContext,
     PruningStep,
     UnitGroup,
     apply_masks,
-    compute_masks,
     phase_sparsities,
     prunable_tensors,
-    prune,
-    shrink,
     sparsity_report,
 )
 from .registry import (
@@ -32,6 +30,7 @@ from .registry import (
     Registry,
 )
 from .runtime import to_sparse_runtime
+from .shrink import shrink
 from .soup import greedy_soup, uniform_soup
 from .soup.method import SoupMethod
 from .trainer import SparseSoupTrainer
@@ -50,6 +49,7 @@ __all__ = [
     "CriterionContext",
     "MethodContext",
     "PhaseSpec",
+    "PruningPlan",
     "PruningStep",
     "Registry",
     "SoupMethod",
@@ -68,6 +68,7 @@ __all__ = [
     "run_sms",
     "save_sparse",
     "register_family",
+    "resolve_pruning",
     "shrink",
     "sparsity_report",
     "to_sparse_runtime",

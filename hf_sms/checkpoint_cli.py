@@ -21,8 +21,8 @@ from .checkpoint import (
 )
 from .checkpoint.folder import read_sparsity
 from .checkpoint.merge import convert_checkpoint
-from .pruning.shrink import dense_shaped
 from .runtime.speed import format_measured, measure_speedup, time_smaller
+from .shrink.shrink import dense_shaped
 
 
 def _mb(n: int) -> str:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
-from .pruning.allocations import parse_n_of_m
-from .pruning.masks import phase_sparsities, resolve_pruning
+from .plan import PruningPlan, resolve_pruning
+from .pruning.masks import phase_sparsities
 from .registry import ALLOCATIONS, BASELINES, PRETRAIN_SHAPES, PRUNING_METHODS, RETRAIN_SCHEDULES, SOUPS
 from .seeding import derive_seed
 
@@ -22,7 +22,8 @@ class SparseSoupConfig(TrainingArguments):
     r"""Configuration of a Sparse Model Soups run; every TrainingArguments field applies to each replica.
 
     Parameters that control pruning:
-        target_sparsity, n_phases, allocation, structure, criterion (see :func:`hf_sms.compute_masks`).
+        target_sparsity, n_phases, allocation, structure, criterion, unit_multiple, fit_config (see
+        :func:`hf_sms.compute_masks`); resolved once into ``plan`` (:class:`hf_sms.plan.PruningPlan`).
     Parameters that control retraining (docs/method.md §3):
         retrain_schedule, pretrain_learning_rate, pretrain_min_learning_rate, pretrain_schedule,
         pretrain_epochs, retrain_warmup_fraction (``warmup_steps``, if set, takes precedence),
@@ -65,8 +66,23 @@ class SparseSoupConfig(TrainingArguments):
     criterion: str | None = field(
         default=None,
         metadata={
-            "help": "What a weight is worth: a name in hf_sms.registry.CRITERIA (magnitude (default), l1, l2, "
-            "random, wanda)."
+            "help": "What a weight is worth: a name in hf_sms.registry.CRITERIA (magnitude (default for weights), "
+            "l1, l2 (default for units: Li et al.'s L2 norm), random, wanda)."
+        },
+    )
+    unit_multiple: int = field(
+        default=1,
+        metadata={
+            "help": "Units: every layer keeps a multiple of this many units (the next best stay), widths "
+            "tensor-core kernels run at full rate (8 for bf16 GEMMs); 1: exactly the target's count."
+        },
+    )
+    fit_config: bool = field(
+        default=True,
+        metadata={
+            "help": "Units: prune only units the model family's own config can state, so the final soup is a "
+            "smaller model transformers/timm/smp load without hf-sms; False: every unit the model's graph has "
+            "(smaller still, loaded with hf_sms.load_sparse)."
         },
     )
     # Retraining
@@ -206,11 +222,15 @@ class SparseSoupConfig(TrainingArguments):
             raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
         given = {"allocation": self.allocation, "structure": self.structure, "criterion": self.criterion}
         try:
-            pruning = resolve_pruning(**given)
+            self.plan: PruningPlan = resolve_pruning(
+                **given, seed=derive_seed(self.seed, "pruning"), unit_multiple=self.unit_multiple,
+                fit_config=self.fit_config,
+            )  # fmt: skip
+            self.plan.structure.validate(self.plan, self.target_sparsity)
         except ValueError as e:
             raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in given.items() if v is not None)}: {e}") from None
         if self.allocation is None:  # recorded as what it means, so a run folder says it
-            self.allocation = pruning.allocation
+            self.allocation = self.plan.allocation
         # Every named piece must exist, and passes its own check of this config (the registries own the rules).
         named = [
             ("allocation", ALLOCATIONS, [self.allocation]),
@@ -226,12 +246,6 @@ class SparseSoupConfig(TrainingArguments):
                     registry.check(value, self)
                 except ValueError as e:
                     raise ValueError(f"{field_name}={value!r}: {e}") from None
-        nm = parse_n_of_m(pruning.structure)
-        if nm is not None and abs(self.target_sparsity - (1 - nm[0] / nm[1])) > 1e-9:
-            raise ValueError(
-                f"structure={pruning.structure!r} prunes linear weights to exactly {1 - nm[0] / nm[1]:g}: set "
-                f"target_sparsity={1 - nm[0] / nm[1]:g}"
-            )
         if self.pretrain_epochs is not None and not self.pretrain_epochs > 0:
             raise ValueError(
                 f"pretrain_epochs is the original training's length and must be > 0, got {self.pretrain_epochs}"
@@ -299,19 +313,6 @@ class SparseSoupConfig(TrainingArguments):
         if self.pretrain_min_learning_rate is not None:
             return self.pretrain_min_learning_rate
         return PRETRAIN_SHAPES[self.pretrain_schedule](1.0, self.eta_max, 0.0)
-
-    @property
-    def pruning(self) -> dict:
-        """This run's pruning as keyword arguments of :func:`hf_sms.compute_masks` / :func:`hf_sms.prune`: allocation,
-        structure, criterion, and the seed of a criterion that needs one (one stream for the whole run, so every
-        process and every resumed phase computes the same masks)."""
-        p = resolve_pruning(self.allocation, self.structure, self.criterion)
-        return {
-            "allocation": p.allocation,
-            "structure": p.structure,
-            "criterion": p.criterion,
-            "seed": derive_seed(self.seed, "pruning"),
-        }
 
     def phase_replicas(self, phase: int) -> int:
         """m of ``phase`` (0-based)."""

@@ -134,4 +134,4 @@ BASELINES: Registry = Registry("baseline")  # hf_sms.baselines
 CRITERIA: Registry = Registry("pruning criterion")  # hf_sms.pruning.criteria
 STRUCTURES: Registry = Registry(
     "pruning structure", hint="or 'n:m' (e.g. '2:4'), or several joined by '+' (e.g. 'neurons+heads')"
-)  # hf_sms.pruning.structures
+)  # hf_sms.plan.structures

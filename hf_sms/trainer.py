@@ -18,7 +18,7 @@ from .checkpoint.families import family_of_model
 from .checkpoint.masks import load_pruning_step, save_masks
 from .config import LR_SCHEDULES, SparseSoupConfig
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
-from .pruning.masks import PruningStep, apply_masks, prune
+from .pruning.masks import PruningStep, apply_masks
 from .pruning.prunable import Masks
 from .schedules import PRETRAIN_SHAPES, ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
 from .seeding import EpochShuffleSampler
@@ -107,7 +107,7 @@ class SparseSoupTrainer(Trainer):
                     args.label_names = ["labels"]
         super().__init__(model=model, args=args, **kwargs)
         if masks is None:
-            step = prune(self.model, args.target_sparsity, **args.pruning)
+            step = args.plan.prune(self.model, args.target_sparsity, example_inputs=self._example_batch())
         elif isinstance(masks, PruningStep):
             step = masks
         else:
@@ -127,6 +127,13 @@ class SparseSoupTrainer(Trainer):
             apply_masks(self.model, step.masks)
         self._bind(step.masks)
         self.add_callback(_MaskCallback(self))
+
+    def _example_batch(self):
+        """Two training items through the collator (units are found by tracing a batch), or None."""
+        data = self.train_dataset
+        if data is None or not has_length(data) or len(data) == 0:
+            return None
+        return self.data_collator([data[i] for i in range(min(2, len(data)))])
 
     @property
     def masks(self) -> Masks:

@@ -12,7 +12,7 @@ from torch import nn
 from transformers.optimization import Adafactor
 
 from hf_sms.pruning.enforcement import MaskEnforcer
-from hf_sms.pruning.masks import apply_masks, compute_masks
+from hf_sms import apply_masks, compute_masks
 from hf_sms.pruning.prunable import prunable_tensors
 
 

@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_sms.pruning.allocations import ALLOCATIONS, erk_densities, lamp_scores, register_allocation
+from hf_sms.plan import compute_masks, prune
 from hf_sms.pruning.masks import (
     PruningStep,
     apply_masks,
-    compute_masks,
     masks_from_model,
     phase_sparsities,
-    prune,
     pruned_norm_fraction,
     sparsity_report,
     validate_masks,

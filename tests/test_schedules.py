@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import TrainerCallback
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer
-from hf_sms.pruning.masks import prune
+from hf_sms.plan import prune
 from hf_sms.schedules import RETRAIN_SCHEDULES, ScheduleContext, allr_start_lr, make_lr_scheduler
 
 FAST = settings(max_examples=25, deadline=None)

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..registry import Registry
+from ..shrink.families import config_family
 from .constants import CONFIG_NAME, FORMAT_VERSION, QUANT_METHOD, QUANT_METHODS, WEIGHTS_NAME
 from .folder import read_json, write_json
 from .state import load_into, unique_tensors
@@ -135,9 +136,7 @@ class TransformersFamily(Family):
     transformers_loadable = computes_loss = True
 
     def detects(self, model):
-        from transformers import PreTrainedModel
-
-        return isinstance(model, PreTrainedModel)
+        return config_family(model).library == self.library
 
     def architecture_of_config(self, config):
         return (config.get("architectures") or [None])[0]
@@ -205,7 +204,7 @@ class TimmFamily(Family):
     transformers_loadable = True  # as TimmWrapper, through AutoModelForImageClassification
 
     def detects(self, model):
-        return type(model).__module__.startswith("timm.") and hasattr(model, "pretrained_cfg")
+        return config_family(model).library == self.library
 
     def architecture_of_config(self, config):
         return config.get("architecture") if "pretrained_cfg" in config else None
@@ -243,7 +242,7 @@ class SmpFamily(Family):
     hub_library_name = "segmentation-models-pytorch"
 
     def detects(self, model):
-        return type(model).__module__.startswith("segmentation_models_pytorch") and hasattr(model, "save_pretrained")
+        return config_family(model).library == self.library
 
     def prepare_training(self, model):
         if type(getattr(model, "_hub_mixin_config", None)) is dict:

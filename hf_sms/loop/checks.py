@@ -13,12 +13,8 @@ from transformers.trainer_utils import has_length
 
 from ..batchnorm import forward_batch
 from ..data import peek
-from ..pruning.masks import apply_masks, compute_masks, resolve_pruning
 from ..pruning.prunable import accepts_labels, prunable_tensors, unfused_attention
-from ..pruning.shrink import parameter_count, shrink
-from ..pruning.structured import traced
-from ..pruning.structures import NOfM, is_unit_structure, unit_groups
-from ..registry import STRUCTURES
+from ..shrink.shrink import parameter_count
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +58,23 @@ def check_hub_access(token: str | None) -> None:
         ) from None
 
 
-def check_model(args, model, example: Callable[[], object] | None = None) -> None:
-    """Raise before any work where ``model`` has no weights yet (the meta device) or the allocation cannot prune
-    it at all (filter pruning without convs); with ``example`` (a batch, on the main process), warn about weights
-    no forward uses (:func:`warn_unused_weights`) and say how much smaller a unit run's final soup will be
-    (:func:`preview_shrink`). Both skip models above 1B parameters: a backward or a copy costs more than a log
-    line is worth there."""
+def check_model(args, model, example: Callable[[], object] | None = None, warn: bool = True) -> None:
+    """Raise before any work where ``model`` has no weights yet (the meta device) or the run's plan cannot prune it
+    (:meth:`hf_sms.plan.PruningPlan.check`: no unit of its structure, a layer emptied at the target, an n:m pattern
+    that fits no layer); with ``warn`` (the main process), warn about weights no forward uses
+    (:func:`warn_unused_weights`) and say how much smaller a unit run's final soup will be (:func:`preview_shrink`).
+    Both skip models above 1B parameters: a backward or a copy costs more than a log line is worth there."""
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
         raise ValueError(
             f"{type(model).__name__} has parameters on the meta device (e.g. {meta[:3]}): built without weights "
             "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
         )
-    check_structure(args, model)
-    if example is not None and parameter_count(model) <= 1e9 and (batch := example()) is not None:
+    batch = example() if example is not None else None
+    args.plan.check(model, args.target_sparsity, batch)
+    if warn and batch is not None and parameter_count(model) <= 1e9:
         warn_unused_weights(model, batch)
-        if is_unit_structure(args.pruning["structure"]):
-            preview_shrink(args, model, batch)
+        preview_shrink(args, model, batch)
 
 
 def _outputs(out) -> list[torch.Tensor]:
@@ -128,74 +124,34 @@ def warn_unused_weights(model, batch) -> list[str]:
 
 
 def preview_shrink(args, model, batch) -> float | None:
-    """Log, before training, the parameters of the model pruned once to the target and shrunk, against the dense
-    ones: about what the final soup will have (its units are chosen by training, their numbers are not). Warn
-    where it would hardly be smaller (grouped or depthwise convs, concatenations, widths no argument states)."""
+    """Log, before training, the parameters of the model pruned once to the target and saved as the plan saves a
+    final soup, against the dense ones: about what the final soup will have (its units are chosen by training,
+    their numbers are not). Warn where it would hardly be smaller. ``None`` for weight structures (the final soup
+    keeps its shapes)."""
+    if args.plan.units != "units":
+        return None
     pruned = copy.deepcopy(model)
     try:
-        apply_masks(pruned, compute_masks(pruned, args.target_sparsity, example_inputs=batch, **args.pruning))
-        with warnings.catch_warnings():  # shrink's note on the zero filters it keeps: the line below says it
+        args.plan.prune(pruned, args.target_sparsity, example_inputs=batch)
+        with warnings.catch_warnings():  # shrink's note on the zeros it keeps: the line below says it
             warnings.simplefilter("ignore", UserWarning)
-            smaller = shrink(pruned, batch, structure=args.pruning["structure"])
-        ratio = parameter_count(smaller) / parameter_count(model)
+            final = args.plan.final(pruned, model, batch)
+        ratio = parameter_count(final.model) / parameter_count(model)
     except (ValueError, NotImplementedError, RuntimeError) as e:
         logger.warning("[hf-sms] could not preview the smaller model (%s); training goes on", str(e)[:200])
         return None
-    structure, target = args.pruning["structure"], args.target_sparsity
+    structure, target = args.plan.structure.name, args.target_sparsity
     if ratio > 0.95:
         logger.warning(
             "[hf-sms] structure=%r at %g: the final soup will be pruned but hardly smaller (about %.3fx the dense "
-            "parameters): its removed units stay as zeros where grouped or depthwise convs, concatenations or "
-            "widths its library cannot state keep their channels; shrink(model, batch, fit_config=False) cuts more",
-            structure, target, ratio,
+            "parameters): %s",
+            structure, target, ratio, (final.shrunk or {}).get("why") or "its removed units stay as zeros where "
+            "its family's config cannot state the widths; fit_config=False prunes and cuts more",
         )  # fmt: skip
     else:
         logger.info("[hf-sms] structure=%r at %g: the final soup will have about %.3fx the dense parameters",
                     structure, target, ratio)  # fmt: skip
     return ratio
-
-
-def check_structure(args, model) -> None:
-    """Raise before any work where the run's structure finds nothing to prune in ``model`` (filters in a model
-    without convs, heads in a convnet), cannot be expressed by its family (heads in GPT-2), cannot be cut out of it
-    (filters where torch.fx cannot follow the channels), would leave a layer without units at the target, or an
-    n:m pattern fits no layer."""
-    pruning = resolve_pruning(args.allocation, args.structure, args.criterion)
-    tensors = prunable_tensors(model)
-    structure = STRUCTURES.get(pruning.structure)
-    if isinstance(structure, NOfM):
-        if not any(
-            t.kind == "linear" and t.param.dim() == 2 and t.param.shape[0 if t.transposed else 1] % structure.m == 0
-            for t in tensors
-        ):
-            raise ValueError(
-                f"structure={pruning.structure!r} prunes linear layers whose input size is a multiple of "
-                f"{structure.m}, and {type(model).__name__} has none: the run would train at sparsity 0"
-            )
-        return
-    if pruning.structure == "unstructured":
-        return
-    groups = unit_groups(model, pruning.structure, tensors)
-    if not groups:
-        raise ValueError(
-            f"structure={pruning.structure!r} finds no units in {type(model).__name__}: the run would train at "
-            "sparsity 0. Use a structure the model has (e.g. 'filters' for convnets, 'neurons' for transformers) "
-            "or 'unstructured'"
-        )
-    if any(g.kind == "filters" for g in groups):  # the soup is only smaller if fx can follow the channels
-        try:
-            traced(model)
-        except NotImplementedError as e:
-            raise ValueError(
-                f"structure={pruning.structure!r}: {e}. The final soup could not be made smaller; use "
-                "structure='unstructured' (or 'n:m'), or a model torch.fx can trace"
-            ) from None
-    for g in groups:
-        if g.n_units - round(args.target_sparsity * g.n_units) < 1:
-            raise ValueError(
-                f"target_sparsity={args.target_sparsity:g} removes all {g.n_units} {g.kind} of {g.name}; a layer "
-                f"keeps at least one: use a target below {1 - 0.5 / g.n_units:.4g}"
-            )
 
 
 def check_world(args, world) -> None:

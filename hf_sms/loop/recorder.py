@@ -15,7 +15,6 @@ from ..evaluation.named import measure, metric_name
 from ..evaluation.sharded import evaluate
 from ..hub import card_metrics
 from ..pruning.masks import sparsity_report
-from ..pruning.structures import is_unit_structure, unit_report
 from ..results import save_results
 
 logger = logging.getLogger("hf_sms")
@@ -42,18 +41,18 @@ class Recorder:
         path: where ``results.json`` goes.
         timer: ``fn(model) -> record`` timing a model dense vs the sparse runtime (main process only), or None:
             rows then say "not measured".
-        structure: what the run prunes; with units every row also gives the fraction of each kind removed
-            (``"units"``, beside the weight ``"sparsity"``).
+        achieved: ``fn(model) -> {kind: fraction removed}``, the units the run prunes (its plan's); every row gives
+            them (``"units"``, beside the weight ``"sparsity"``) where there are any.
     """
 
     def __init__(
-        self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path, timer=None, structure=None
+        self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path, timer=None, achieved=None
     ):
         self.results, self.world, self.tests = results, world, tests
         self.metric_fn, self.eval_dataset, self.test_dataset = metric_fn, eval_dataset, test_dataset
         self.example, self.path, self.timer = example, path, timer
         self.eval_seconds = 0.0
-        self.structure = structure if structure is not None and is_unit_structure(structure) else None
+        self.achieved = achieved or (lambda model: {})
 
     def evaluate(self, model: nn.Module, dataset, shared=False) -> float | None:
         """The selection metric on ``dataset``; ``shared=True``: every process calls this with the same model, and
@@ -68,7 +67,7 @@ class Recorder:
         """Sparsity, FLOP speedup, the measured one (``timed``: a model that can be the run's result; else None,
         "not measured"), validation (``val`` if the phase step scored it already) and every test set; ``shared``:
         as in :meth:`evaluate`."""
-        units = {k: v["sparsity"] for k, v in unit_report(model, self.structure).items()} if self.structure else {}
+        units = self.achieved(model)
         start = time.perf_counter()
         scores = {
             "val": val if val is not None else self.evaluate(model, self.eval_dataset, shared),

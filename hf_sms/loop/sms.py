@@ -25,9 +25,8 @@ from ..evaluation.sharded import recalibrate_shared
 from ..hub import push_to_hub
 from ..methods.common import empty_step
 from ..phase import PhaseResult, PhaseSpec, phase_folder
-from ..pruning.masks import PruningStep, phase_sparsities, prune
+from ..pruning.masks import PruningStep, phase_sparsities
 from ..registry import BASELINES, PRUNING_METHODS
-from ..runtime.speed import measure_model
 from ..seeding import derive_seed
 from ..soup.soup import soup
 from ..trainer import SparseSoupTrainer
@@ -115,13 +114,13 @@ class SparseModelSoup:
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
         check_world(args, self.world)
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
-        check_model(args, model, lambda: self.example if self.world.is_main else None)
+        check_model(args, model, lambda: self.example, warn=self.world.is_main)
         # What training depends on; test sets are measured after it, so adding one keeps the finished replicas.
         fingerprint, defaults = run_fingerprint(args, model, {"train": train_dataset, "eval": eval_dataset})
         self.run_dir = RunDirectory(
             args.output_dir, fingerprint, is_main=self.world.is_main, defaults=defaults, force=args.resume == "force"
         )
-        structure = args.pruning["structure"]
+        plan = args.plan
         self.recorder = Recorder(
             self.results,
             self.world,
@@ -131,8 +130,8 @@ class SparseModelSoup:
             self.test_dataset,
             lambda: self.example,
             self.run_dir.path(RESULTS_FILE),
-            timer=(lambda m: measure_model(m, self.example, structure)) if args.measure_speedup else None,
-            structure=structure,
+            timer=(lambda m: plan.timed(m, self.example)) if args.measure_speedup else None,
+            achieved=lambda m: plan.achieved(m, self.example),
         )
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
@@ -171,7 +170,7 @@ class SparseModelSoup:
                     self.final_soup,
                     soup_dir,
                     dense=self.pretrained,
-                    structure=a.pruning["structure"],
+                    plan=a.plan,
                     example=self.example,
                     recipe=self.recipe(),
                     metrics=self.recorder.final_metrics(),
@@ -202,18 +201,18 @@ class SparseModelSoup:
         """One phase (:mod:`hf_sms.phase`): prune (Step 1), retrain this process's replicas (Step 2), score
         them on validation, soup them (Step 3)."""
         start, world = time.perf_counter(), self.world
-        pruning = {**self.args.pruning, "example_inputs": self.example}
+        plan, example = self.args.plan, self.example
         owned = world.owned(len(spec.hparams))
         if spec.shared:  # one mask for every replica, broadcast from rank 0
             step = (
-                prune(spec.start, spec.sparsity, masks=spec.masks, sync=world.broadcast_masks, **pruning)
+                plan.prune(spec.start, spec.sparsity, spec.masks, example, sync=world.broadcast_masks)
                 if spec.prune
                 else PruningStep.measure(spec.start, spec.masks or {})
             )
             starts, steps = dict.fromkeys(owned, spec.start), dict.fromkeys(owned, step)
         else:  # independent tracks: each prunes its own model, no broadcast
             masks = spec.masks or {}
-            steps = {i: prune(spec.start[i], spec.sparsity, masks=masks.get(i), **pruning) for i in owned}
+            steps = {i: plan.prune(spec.start[i], spec.sparsity, masks.get(i), example) for i in owned}
             starts, step = spec.start, steps
         candidates = {
             i: self.recalibrate(
@@ -242,7 +241,7 @@ class SparseModelSoup:
                 recalibrate=self.recalibrate,
                 config=self.args,
                 sparsity=spec.sparsity,
-                pruning=pruning,
+                reprune=lambda model, sparsity: plan.masks(model, sparsity, example_inputs=example),
             )
             kept = [i for i, w in enumerate(weights) if w]
         return PhaseResult(result, candidates, val, kept, step, time.perf_counter() - start)
@@ -271,7 +270,7 @@ class SparseModelSoup:
             "replicas": [a.replica_overrides(p) for p in n],
             "merge_method": a.merge_methods[0],
             "retrain_schedule": a.retrain_schedule,
-            **{k: v for k, v in a.pruning.items() if k != "seed"},
+            **a.plan.describe(),
             "num_train_epochs": a.num_train_epochs,
             "max_steps": a.max_steps,
             **({"notes": self.model_card["notes"]} if self.model_card.get("notes") else {}),  # the card shows them

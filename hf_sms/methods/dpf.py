@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ..pruning.enforcement import MaskingPolicy
-from ..pruning.masks import compute_masks
 from ..registry import PRUNING_METHODS
 from .common import check_pruning_steps
 from .gmp import GradualPruning, gradual, preflight, pruning_targets, sparsity_at
@@ -84,7 +83,7 @@ class DynamicPruning(GradualPruning):
 
     def _prune(self, sparsity: float, optimizer) -> None:
         # From the dense weights and without the old masks: a pruned weight that grew large comes back.
-        masks = compute_masks(self.trainer.model, sparsity, example_inputs=self.example_inputs, **self.pruning)
+        masks = self.plan.masks(self.trainer.model, sparsity, example_inputs=self.example_inputs)
         self.trainer.set_masks(masks)
 
 
@@ -95,14 +94,13 @@ def dpf(ctx):
     zeroing it, and a phase's soup is the mean under its mask."""
     a = ctx.args
 
-    def callback(example_inputs=None):
-        pruning = {k: v for k, v in a.pruning.items() if k != "allocation"}
+    def callback():
         return DynamicPruning(
-            a.pruning_steps, a.target_sparsity, a.allocation, a.dpf_interval, example_inputs, **pruning
+            a.pruning_steps, a.target_sparsity, interval=a.dpf_interval, example_inputs=ctx.example, plan=a.plan
         )
 
     def plain(continues: bool) -> dict:
-        return {"callbacks": [callback(ctx.example)], "masking": FeedbackMasking(keep_dense=continues)}
+        return {"callbacks": [callback()], "masking": FeedbackMasking(keep_dense=continues)}
 
     def copy() -> dict:
         return {"callbacks": [callback()], "masking": FeedbackMasking(keep_dense=True)}

@@ -19,8 +19,8 @@ import copy
 from transformers import TrainerCallback
 
 from ..phase import PhaseSpec, phase_folder
-from ..pruning.masks import apply_masks, compute_masks, masks_from_model, resolve_pruning
-from ..pruning.structures import unit_groups
+from ..plan import PruningPlan, resolve_pruning
+from ..pruning.masks import apply_masks, masks_from_model
 from ..registry import PRUNING_METHODS
 from ..seeding import derive_seed
 from .common import check_pruning_steps, single, sms_start_step, total_steps
@@ -91,9 +91,6 @@ def gmp_phases(total_steps: int, n: int, target: float) -> list[tuple[int, int, 
     return [(a, b, targets.get(a, 0.0)) for a, b in zip(starts, ends)]
 
 
-_NAMES = ("allocation", "structure", "criterion")
-
-
 class GradualPruning(TrainerCallback):
     """GMP (Zhu & Gupta 2017) in one :class:`~hf_sms.SparseSoupTrainer` run.
 
@@ -113,7 +110,8 @@ class GradualPruning(TrainerCallback):
         n_steps: number of pruning steps n.
         target: final sparsity S in [0, 1).
         allocation, structure, criterion, seed: what each step prunes (see :func:`hf_sms.compute_masks`); the
-            paper's global magnitude pruning by default.
+            paper's global magnitude pruning by default. ``plan``: a resolved :class:`hf_sms.plan.PruningPlan`
+            instead (a run's ``args.plan``).
         example_inputs: a batch that orders layers by call (for ``uniform_plus``; see ``compute_masks``).
     """
 
@@ -127,11 +125,11 @@ class GradualPruning(TrainerCallback):
         structure: str | None = None,
         criterion: str | None = None,
         seed: int = 0,
+        plan: PruningPlan | None = None,
     ):
         _check_schedule(n_steps, target)
-        resolve_pruning(allocation, structure, criterion)  # raises on an unknown name or combination
+        self.plan = plan or resolve_pruning(allocation, structure, criterion, seed)  # raises on a bad name, now
         self.n_steps, self.target = n_steps, float(target)
-        self.pruning = {"allocation": allocation, "structure": structure, "criterion": criterion, "seed": seed}
         self.example_inputs = example_inputs
         self.trainer = None  # the SparseSoupTrainer, bound when it trains
 
@@ -153,9 +151,7 @@ class GradualPruning(TrainerCallback):
 
     def _prune(self, sparsity: float, optimizer) -> None:
         trainer = self.trainer
-        masks = compute_masks(
-            trainer.model, sparsity, masks=trainer.masks or None, example_inputs=self.example_inputs, **self.pruning
-        )
+        masks = self.plan.masks(trainer.model, sparsity, trainer.masks or None, self.example_inputs)
         trainer.set_masks(masks, optimizer)
 
     def _maybe_prune(self, state, optimizer) -> None:
@@ -169,13 +165,8 @@ class GradualPruning(TrainerCallback):
         allowed = sparsity_at(offset + state.global_step, total, self.n_steps, self.target)
         masks = self.trainer.masks
         pruned, numel = sum(int((~m).sum()) for m in masks.values()), sum(m.numel() for m in masks.values())
-        # slack: the allocation rounds per tensor (one weight each) or per group of units (one unit each)
-        structure = resolve_pruning(**{k: self.pruning[k] for k in _NAMES}).structure
-        groups = [
-            g for g in unit_groups(self.trainer.model, structure) if all(m.name in masks for m in g.members if m.masked)
-        ]
-        slack = sum(max(1, sum(masks[m.name].numel() for m in g.members if m.masked) // g.n_units) for g in groups)
-        if pruned > round(allowed * numel) + (slack or len(masks)):
+        slack = self.plan.rounding(self.trainer.model, masks, self.example_inputs)
+        if pruned > round(allowed * numel) + slack:
             raise ValueError(
                 f"the trainer starts at sparsity {pruned / numel:.4f} but the schedule is at {allowed:.4f} here; "
                 "start dense with SparseSoupTrainer(..., masks={}) (masks=None prunes to args.target_sparsity)"
@@ -217,7 +208,7 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
     masks, result = (None if dense_phases else masks_from_model(model)), None
     for p, (begin, end, sparsity) in enumerate(sms):
         if dense_phases:  # the phase's mask from the dense weights, not applied: they keep their values
-            masks = world.broadcast_masks(compute_masks(model, sparsity, example_inputs=ctx.example, **a.pruning))
+            masks = world.broadcast_masks(a.plan.masks(model, sparsity, example_inputs=ctx.example))
         spec = PhaseSpec(
             sparsity=sparsity,
             start=model,
@@ -241,7 +232,7 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
         model = result.soup
         if dense_phases:  # what the phase gives is its mean under the phase's mask (DPF is judged sparse)
             sparse = copy.deepcopy(model)
-            masks = compute_masks(sparse, sparsity, example_inputs=ctx.example, **a.pruning)
+            masks = a.plan.masks(sparse, sparsity, example_inputs=ctx.example)
             apply_masks(sparse, world.broadcast_masks(masks))
             result.soup = ctx.recalibrate(sparse)
         else:
@@ -254,7 +245,7 @@ def gradual(ctx, plain_kwargs, copy_kwargs, soup: str, dense_phases: bool = Fals
 def gmp(ctx):
     """GMP: the plain run prunes with :class:`GradualPruning`; the copies train under the phase's mask."""
     a = ctx.args
-    callback = GradualPruning(a.pruning_steps, a.target_sparsity, example_inputs=ctx.example, **a.pruning)
+    callback = GradualPruning(a.pruning_steps, a.target_sparsity, example_inputs=ctx.example, plan=a.plan)
     return gradual(ctx, lambda continues: {"callbacks": [callback]}, dict, a.merge_methods[0])
 
 

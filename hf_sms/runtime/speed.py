@@ -16,8 +16,7 @@ from torch import nn
 
 from ..batchnorm import forward_batch
 from ..pruning.prunable import accepts_labels
-from ..pruning.shrink import parameter_count, shrink
-from ..pruning.structures import is_unit_structure
+from ..shrink.shrink import parameter_count
 from .convert import to_sparse_runtime
 from .layers import weight_bytes
 from .timing import time_pair
@@ -67,13 +66,10 @@ def measure_speedup(
     }
 
 
-def measure_model(model: nn.Module, batch, structure: str | None = None) -> dict:
-    """What a run records of a model that can be its result: timed on ``batch`` dense vs the sparse runtime
-    (:func:`measure_speedup`), or, when ``structure`` prunes units, vs the smaller model
-    (:func:`measure_shrunk_speedup`)."""
+def measure_speedup_of(model: nn.Module, batch) -> dict:
+    """What a run records of a pruned model: timed on ``batch`` dense vs the sparse runtime
+    (:func:`measure_speedup`), on the device ``model`` is on."""
     batch = send_to_device(batch, next(model.parameters()).device)  # once, outside the timed calls
-    if structure is not None and is_unit_structure(structure):
-        return measure_shrunk_speedup(model, batch, structure=structure)
 
     def forward(m):
         forward_batch(m, batch, keep_labels=accepts_labels(m))
@@ -84,25 +80,14 @@ def measure_model(model: nn.Module, batch, structure: str | None = None) -> dict
 
 
 @torch.no_grad()
-def measure_shrunk_speedup(
-    model: nn.Module, batch, *, repeats: int = 7, description: str | None = None, structure: str | None = None
-) -> dict:
-    """Time ``model`` (pruned by units, its dense shapes) against :func:`hf_sms.shrink` of it, side by side on
-    ``batch``, in eval mode on the device ``model`` is on (where it trains): what the smaller model gives there.
-    ``structure``: whose units :func:`hf_sms.shrink` cuts (default: every built-in neuron and head, and filters).
+def time_smaller(dense: nn.Module, smaller: nn.Module, batch, *, repeats: int = 7, description: str | None = None):
+    """``dense`` (shapes before shrinking) against ``smaller`` on ``batch``, side by side, in eval mode on the
+    device ``dense`` is on: what the smaller model gives there.
 
     Returns:
         ``{"speedup", "dense_ms", "runtime_ms", "device", "threads", "input", "layout": "shrunk",
         "dense_parameters", "parameters"}`` (JSON-able; ``runtime_ms`` is the smaller model's).
     """
-    smaller = shrink(model, batch, structure=structure)
-    return time_smaller(copy.deepcopy(model), smaller, batch, repeats=repeats, description=description)
-
-
-@torch.no_grad()
-def time_smaller(dense: nn.Module, smaller: nn.Module, batch, *, repeats: int = 7, description: str | None = None):
-    """``dense`` (shapes before shrinking) against ``smaller`` on ``batch``, side by side, in eval mode on the
-    device ``dense`` is on; the record of :func:`measure_shrunk_speedup`."""
     device = next(dense.parameters()).device
     dense, smaller = dense.eval(), smaller.eval()
     batch = send_to_device(batch, device)

@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..pruning.masks import apply_masks, compute_masks, masks_from_model
+from ..plan import compute_masks
+from ..pruning.masks import apply_masks, masks_from_model
 from ..pruning.prunable import Masks
 from ..registry import SOUPS
 from .averaging import average_tensors
@@ -97,7 +98,7 @@ def soup(
     recalibrate: Callable[[nn.Module], nn.Module] | None = None,
     config=None,
     sparsity: float | None = None,
-    pruning: dict | None = None,
+    reprune: Callable[[nn.Module, float], Masks] | None = None,
 ) -> tuple[nn.Module, list[float]]:
     """The soup of ``candidates`` by a soup method, recalibrated; returns ``(soup, one weight per candidate)``.
 
@@ -111,9 +112,8 @@ def soup(
             data).
         recalibrate: called on every trial soup and the result (BatchNorm statistics).
         config: passed to the method's ``select`` (e.g. ``greedy_keep_ties``).
-        sparsity, pruning: where a method re-prunes (``same_mask=False``), to what: ``pruning`` holds keyword
-            arguments of :func:`hf_sms.compute_masks` (allocation, structure, criterion, seed, example_inputs;
-            default: global magnitude).
+        sparsity, reprune: where a method re-prunes (``same_mask=False``), to what sparsity and how:
+            ``reprune(model, sparsity) -> masks`` (the run's plan on its batch; default: global magnitude).
     """
     spec = SOUPS.get(method) if isinstance(method, str) else method
     local = dict(candidates) if isinstance(candidates, Mapping) else dict(enumerate(candidates))
@@ -136,7 +136,7 @@ def soup(
         if shared_mask is not None:
             apply_masks(model, shared_mask)
         if not spec.same_mask and spec.reprune:
-            masks = compute_masks(model, sparsity, **(pruning or {}))
+            masks = (reprune or compute_masks)(model, sparsity)
             apply_masks(model, world.broadcast_masks(masks))
         return recalibrate(model) if recalibrate is not None else model
 
@@ -164,7 +164,7 @@ def uniform_soup(models: Sequence[nn.Module], reprune_sparsity: float | None = N
         A new model; BatchNorm statistics are the mean ones, recalibrate before evaluating.
     """
     method = "uniform" if reprune_sparsity is None else "reprune"
-    return soup(models, method, sparsity=reprune_sparsity, pruning={"allocation": allocation})[0]
+    return soup(models, method, sparsity=reprune_sparsity, reprune=lambda m, s: compute_masks(m, s, allocation))[0]
 
 
 def greedy_soup(

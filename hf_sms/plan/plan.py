@@ -1,0 +1,205 @@
+"""The pruning choice, resolved once: ``criterion`` x ``structure`` x ``allocation`` as one :class:`PruningPlan`
+(docs/method.md §2, §11), and the functions that prune with it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ..pruning.allocations import get_allocation, parse_n_of_m
+from ..pruning.criteria import CriterionContext, criterion_scores
+from ..pruning.masks import PruningStep, apply_masks, check_sparsity, validate_masks
+from ..pruning.prunable import Masks, call_order_uses
+from ..registry import ALLOCATIONS, CRITERIA
+from .structures import Final, Structure, get_structure
+
+
+@dataclass(frozen=True)
+class PruningPlan:
+    """What every pruning step of a run does: the ``criterion`` scores every weight (``CRITERIA``), the
+    ``structure`` says which weights fall together (``STRUCTURES``), the ``allocation`` spreads the sparsity over
+    them (``ALLOCATIONS``). ``seed``: the stream of a criterion that needs one. For units: ``unit_multiple`` (each
+    layer keeps a multiple of it) and ``fit_config`` (prune only units the family's config can state)."""
+
+    allocation: str = "global"
+    structure: Structure = None
+    criterion: str = "magnitude"
+    seed: int = 0
+    unit_multiple: int = 1
+    fit_config: bool = True
+
+    @property
+    def units(self) -> str:
+        """What a target sparsity counts: ``"weights"`` or ``"units"``."""
+        return self.structure.units
+
+    def describe(self) -> dict:
+        """The plan as names (run folders, sparsity.json, the card)."""
+        out = {"allocation": self.allocation, "structure": self.structure.name, "criterion": self.criterion}
+        if self.units == "units":
+            out.update(unit_multiple=self.unit_multiple, fit_config=self.fit_config)
+        return out
+
+    @torch.no_grad()
+    def masks(self, model: nn.Module, sparsity: float, masks: Masks | None = None, example_inputs=None) -> Masks:
+        """Masks for ``model`` at ``sparsity`` (see :func:`compute_masks`)."""
+        check_sparsity(sparsity)
+        tensors = list(validate_masks(model, masks or {}).values())
+        if not tensors:
+            raise ValueError("model has no prunable weights (linear, convolution or embedding layers)")
+        if example_inputs is not None:
+            uses = call_order_uses(model, example_inputs)
+            tensors = [replace(t, uses=tuple(uses.get(id(t.param), ()))) for t in tensors]
+        current = {t.name: torch.ones_like(t.param, dtype=torch.bool) for t in tensors}
+        current.update({n: m.to(current[n].device) for n, m in (masks or {}).items()})
+        weights = {t.name: t.param.detach().float() * current[t.name] for t in tensors}
+        context = CriterionContext(model, example_inputs, self.seed)
+        scores = criterion_scores(self.criterion, tensors, weights, context)
+        return self.structure.masks(self, model, tensors, scores, current, float(sparsity), example_inputs)
+
+    def prune(
+        self,
+        model: nn.Module,
+        sparsity: float,
+        masks: Masks | None = None,
+        example_inputs=None,
+        sync: Callable[[Masks], Masks] | None = None,
+    ) -> PruningStep:
+        """Compute masks, measure the step for ALLR, and zero the pruned weights in place; ``sync`` replaces the
+        masks before use (rank 0's in a distributed run)."""
+        new = self.masks(model, sparsity, masks, example_inputs)
+        step = PruningStep.measure(model, sync(new) if sync is not None else new)
+        apply_masks(model, step.masks)
+        return step
+
+    def check(self, model: nn.Module, target: float, example_inputs=None) -> None:
+        """Refuse, before any work, a model this plan prunes nothing of (or would empty a layer of)."""
+        self.structure.check(self, model, target, example_inputs)
+
+    def rounding(self, model: nn.Module, masks: Masks, example_inputs=None) -> int:
+        """How many weights a step may prune beyond its target by rounding (per tensor, or per group of units)."""
+        return self.structure.rounding(self, model, masks, example_inputs)
+
+    def achieved(self, model: nn.Module, example_inputs=None) -> dict:
+        """``{kind: fraction removed}`` of the units this plan prunes (``{}`` for weight structures)."""
+        return self.structure.achieved(model, example_inputs)
+
+    def final(self, soup: nn.Module, dense: nn.Module, example_inputs) -> Final:
+        """What the run's final soup is saved as (the smaller model for units)."""
+        return self.structure.final(self, soup, dense, example_inputs)
+
+    def timed(self, model: nn.Module, example_inputs) -> dict:
+        """``model`` timed dense against its sparse runtime or its smaller model, on the device it is on."""
+        return self.structure.timed(self, model, example_inputs)
+
+
+def resolve_pruning(
+    allocation: str | None = None,
+    structure=None,
+    criterion: str | None = None,
+    seed: int = 0,
+    unit_multiple: int = 1,
+    fit_config: bool = True,
+) -> PruningPlan:
+    """The :class:`PruningPlan` these names ask for, checked; ``ValueError`` for a name or a combination that does
+    not exist, before any work.
+
+    ``None`` takes the default: ``"global"`` allocation for weights and ``"uniform"`` for units, criterion
+    ``"magnitude"`` for weights and ``"l2"`` for units (Li et al. 2017; the paper: "we adopt the L2-norm
+    criterion"), structure ``"unstructured"``. The names hf-sms had before structures keep working:
+    ``allocation="filter_l2"`` is ``structure="filters", criterion="l2", allocation="uniform"`` (``filter_l1``
+    likewise), ``allocation="2:4"`` is ``structure="2:4"``.
+    """
+    legacy = ALLOCATIONS.meta(allocation) if isinstance(allocation, str) else {}
+    if parse_n_of_m(allocation) is not None:
+        legacy = {"structure": allocation}
+    for key, given in (("structure", structure), ("criterion", criterion)):
+        if key in legacy and given is not None and given != legacy[key]:
+            raise ValueError(
+                f"allocation={allocation!r} means {key}={legacy[key]!r}; it cannot go with {key}={given!r}"
+            )
+    if "structure" in legacy:
+        allocation, structure = legacy.get("allocation", "uniform"), legacy["structure"]
+        criterion = criterion or legacy.get("criterion")
+    found = get_structure(structure if structure is not None else "unstructured")
+    units = found.units == "units"
+    criterion = criterion or ("l2" if units else "magnitude")
+    CRITERIA.get(criterion)
+    allocation = allocation or ("uniform" if units else "global")
+    get_allocation(allocation)
+    if units and allocation != "uniform":
+        raise ValueError(
+            f"structure={found.name!r} removes the same fraction of units from every layer, so the smaller model "
+            f"still fits its family's config (one d_ff, one num_heads): use allocation='uniform', not {allocation!r}"
+        )
+    if isinstance(unit_multiple, bool) or not isinstance(unit_multiple, int) or unit_multiple < 1:
+        raise ValueError(f"unit_multiple={unit_multiple!r} must be a positive integer (e.g. 8)")
+    return PruningPlan(allocation, found, criterion, seed, unit_multiple, bool(fit_config))
+
+
+@torch.no_grad()
+def compute_masks(
+    model: nn.Module,
+    sparsity: float,
+    allocation: str | None = None,
+    masks: Masks | None = None,
+    example_inputs=None,
+    *,
+    structure=None,
+    criterion: str | None = None,
+    seed: int = 0,
+    unit_multiple: int = 1,
+    fit_config: bool = True,
+) -> Masks:
+    """Pruning masks for ``model`` at ``sparsity``: ``criterion`` x ``structure`` x ``allocation``.
+
+    Args:
+        model: any torch model; prunable tensors are found by :func:`hf_sms.prunable_tensors`.
+        sparsity: weights: the fraction in [0, 1) of all prunable weights removed (tied weights counted once);
+            units: the fraction of units removed from every group (each conv's filters with every layer reading
+            them, each FFN's neurons, each attention's heads).
+        allocation: a name in ``ALLOCATIONS`` ("global", "uniform", "uniform_plus", "erk", "lamp"); default
+            "global" (units: "uniform", the only one whose smaller model fits the family's config). The older
+            names "filter_l2", "filter_l1" and "n:m" (e.g. "2:4") still work (see :func:`resolve_pruning`).
+        masks: masks of an earlier phase; weights they prune stay pruned (masks only grow).
+        example_inputs: a batch (see :func:`hf_sms.pruning.prunable.call_order_uses`); with it, one forward pass
+            orders the layers by call ("first conv" and "last linear" of ``uniform_plus``); criteria that read
+            activations (``"wanda"``) need it; units are found by tracing it (a transformers, timm or smp model
+            makes its own when it is not given).
+        structure: a name in ``STRUCTURES``: "unstructured" (default), "filters", "neurons", "heads", "n:m", or
+            units joined by "+" ("neurons+heads").
+        criterion: a name in ``CRITERIA``: "magnitude" (default for weights), "l1", "l2" (default for units),
+            "random", "wanda".
+        seed: the random stream of criteria that need one; the same seed gives the same masks.
+        unit_multiple: units: every group keeps a multiple of this many (the next best units stay).
+        fit_config: units: prune only units the model family's own config can state, so :func:`hf_sms.shrink`
+            gives a model its library loads by itself; False: every unit the graph has.
+
+    Returns:
+        ``{parameter name: bool tensor}`` on the weights' devices, ``True`` where the weight is kept.
+        Exactly ``round(sparsity * n)`` weights (or units) are pruned per allocation unit unless earlier masks
+        already prune more.
+    """
+    plan = resolve_pruning(allocation, structure, criterion, seed, unit_multiple, fit_config)
+    return plan.masks(model, sparsity, masks, example_inputs)
+
+
+def prune(
+    model: nn.Module,
+    sparsity: float,
+    allocation: str | None = None,
+    masks: Masks | None = None,
+    sync: Callable[[Masks], Masks] | None = None,
+    example_inputs=None,
+    **pruning,
+) -> PruningStep:
+    """Compute masks for ``sparsity``, measure the step for ALLR, and zero the pruned weights in place.
+
+    ``sync`` replaces the computed masks before use, e.g. with rank 0's masks in a distributed run. ``allocation``,
+    ``example_inputs`` and the keyword arguments (``structure``, ``criterion``, ``seed``, ...): as in
+    :func:`compute_masks`.
+    """
+    return resolve_pruning(allocation, **pruning).prune(model, sparsity, masks, example_inputs, sync)

@@ -1,0 +1,253 @@
+"""Structures: which weights fall together when a model is pruned (docs/method.md §2, §11). One object each, in
+``STRUCTURES``, with one interface: what a pruning step masks, what a run must refuse before it starts, what a
+pruned model has achieved, what its final soup is saved as, and how it is timed. The run asks its structure and
+never which kind it is.
+
+- ``"unstructured"``: every weight on its own (the paper's IMP).
+- ``"n:m"`` (e.g. ``"2:4"``): ``n`` of every ``m`` consecutive input weights of a linear layer.
+- ``"filters"``, ``"neurons"``, ``"heads"``, or several joined by ``"+"``: whole units, found from the model's
+  graph (:mod:`hf_sms.pruning.graph`); the final soup is the smaller model (:func:`hf_sms.shrink`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..pruning.allocations import get_allocation, n_of_m, parse_n_of_m
+from ..pruning.graph import trace_units
+from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
+from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
+from ..registry import ALLOCATIONS, STRUCTURES
+from ..runtime.speed import measure_speedup_of, time_smaller
+from ..shrink.families import config_family
+from ..shrink.fit import fit
+from ..shrink.shrink import KINDS, example_batch, shrink, shrink_record
+
+
+@dataclass(frozen=True)
+class Final:
+    """What a final soup's folder holds: ``model`` in ``fmt`` (``"bitmask"`` or the family's own ``"dense"``),
+    and ``shrunk``: what :func:`hf_sms.shrink` made of it (``None`` for weight structures)."""
+
+    model: nn.Module
+    fmt: str
+    shrunk: dict | None = None
+
+
+class Structure:
+    """How weights fall together. ``units``: what ``target_sparsity`` counts, ``"weights"`` or ``"units"``."""
+
+    name = "unstructured"
+    units = "weights"
+
+    def masks(self, plan, model, tensors: list[PrunableTensor], scores, current: Masks, sparsity, batch) -> Masks:
+        return get_allocation(plan.allocation)(tensors, scores, current, sparsity)
+
+    def validate(self, plan, target: float) -> None:
+        """Refuse a run configuration this structure cannot do (before any model is seen)."""
+
+    def check(self, plan, model: nn.Module, target: float, batch) -> None:
+        """Refuse, before any work, a model this structure prunes nothing of."""
+
+    def achieved(self, model: nn.Module, batch) -> dict:
+        """``{kind: fraction of those units removed}`` (``{}`` where units are not what is pruned)."""
+        return {}
+
+    def rounding(self, plan, model: nn.Module, masks: Masks, batch) -> int:
+        """How many weights a pruning step may remove beyond its target by rounding: one per tensor."""
+        return len(masks)
+
+    def final(self, plan, soup: nn.Module, dense: nn.Module, batch) -> Final:
+        return Final(soup, "bitmask")
+
+    def timed(self, plan, model: nn.Module, batch) -> dict:
+        """``model`` timed dense against what makes it faster here (the sparse runtime, or the smaller model)."""
+        return measure_speedup_of(model, batch)
+
+
+class Unstructured(Structure):
+    """Every weight on its own (the paper's IMP)."""
+
+
+@dataclass(frozen=True, eq=False)
+class NOfM(Structure):
+    """``n`` of every ``m`` consecutive input weights of a linear layer (``"2:4"``, torch's semi-structured)."""
+
+    n: int
+    m: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.n}:{self.m}"
+
+    def masks(self, plan, model, tensors, scores, current, sparsity, batch):
+        return n_of_m(tensors, scores, current, sparsity, n=self.n, m=self.m)
+
+    def validate(self, plan, target):
+        if abs(target - (1 - self.n / self.m)) > 1e-9:
+            raise ValueError(
+                f"structure={self.name!r} prunes linear weights to exactly {1 - self.n / self.m:g}: set "
+                f"target_sparsity={1 - self.n / self.m:g}"
+            )
+
+    def check(self, plan, model, target, batch):
+        if not any(
+            t.kind == "linear" and t.param.dim() == 2 and t.param.shape[0 if t.transposed else 1] % self.m == 0
+            for t in prunable_tensors(model)
+        ):
+            raise ValueError(
+                f"structure={self.name!r} prunes linear layers whose input size is a multiple of {self.m}, and "
+                f"{type(model).__name__} has none: the run would train at sparsity 0"
+            )
+
+
+class Units(Structure):
+    """Whole units of ``kinds`` (``filters``, ``neurons``, ``heads``), found from the model's graph; every group
+    loses the same fraction (uniform allocation), so the smaller model keeps one width per config field."""
+
+    units = "units"
+
+    def __init__(self, kinds: tuple[str, ...]):
+        self.kinds = tuple(kinds)
+        self.name = "+".join(self.kinds)
+        self._statable: dict = {}
+
+    def groups(self, model: nn.Module, batch, fit_config: bool = True) -> list[UnitGroup]:
+        """The unit groups of ``model`` this structure prunes: with ``fit_config``, those its family's config can
+        state (a model smaller in its own format), else every one the graph has."""
+        if not self._layers(model):
+            return []
+        groups = trace_units(model, example_batch(model, batch)).groups(self.kinds)
+        if not fit_config or not groups:
+            return groups
+        stated = self._stated(model, batch, groups)
+        return [g for g, ok in zip(groups, stated) if ok] if stated is not None else groups
+
+    def _stated(self, model, batch, groups) -> list[bool] | None:
+        key = (type(model).__qualname__, tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+        if key not in self._statable:
+            probe = [torch.arange(g.n_units) < max(1, g.n_units // 2) for g in groups]  # half of each group
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                found = fit(model, groups, probe)
+            self._statable[key] = None if found is None else found.stated
+        return self._statable[key]
+
+    def masks(self, plan, model, tensors, scores, current, sparsity, batch):
+        groups = self.groups(model, batch, plan.fit_config)
+        if not groups:
+            raise ValueError(self.nothing(model, batch, plan.fit_config))
+        return unit_masks(groups, scores, current, sparsity, plan.unit_multiple)
+
+    def _layers(self, model: nn.Module) -> list[str]:
+        """The layers that could make units of these kinds: convs for filters, linear (and 1x1) layers else."""
+        kinds = {"conv"} if self.kinds == ("filters",) else {"linear", "conv"}
+        return [t.name for t in prunable_tensors(model) if t.kind in kinds]
+
+    def nothing(self, model: nn.Module, batch, fit_config: bool) -> str:
+        """Why this structure finds nothing to prune in ``model``: every layer looked at, and why each was skipped."""
+        if not self._layers(model):
+            layers = "convolution" if self.kinds == ("filters",) else "linear or convolution"
+            return (
+                f"structure={self.name!r} finds no units in {type(model).__name__}: the run would train at sparsity "
+                f"0 (it has no {layers} layers). Choose a structure the model has, or 'unstructured'"
+            )
+        trace = trace_units(model, example_batch(model, batch))
+        found = trace.groups(self.kinds)
+        other = sorted({k for f in trace.found for k in f.kinds} - set(self.kinds))
+        lines = [f"{layer}: {why}" for layer, why in list(trace.skipped.items())[:8]]
+        if found and fit_config:
+            family = config_family(model)
+            lines.insert(0, f"{len(found)} groups of {self.name}, but {type(model).__name__}'s {family.library} "
+                            "config cannot state fewer of them (e.g. a head size derived from hidden size / heads); "
+                            "fit_config=False prunes them for a smaller model only hf-sms rebuilds")  # fmt: skip
+        elif other:
+            lines.insert(0, f"it has units of {', '.join(other)}")
+        more = f" (and {len(trace.skipped) - 8} more)" if len(trace.skipped) > 8 else ""
+        return (
+            f"structure={self.name!r} finds no units in {type(model).__name__}: the run would train at sparsity 0. "
+            f"Layers looked at{more}:\n  " + "\n  ".join(lines or ["no linear or convolution layer"])
+        )
+
+    def check(self, plan, model, target, batch):
+        groups = self.groups(model, batch, plan.fit_config)
+        if not groups:
+            raise ValueError(self.nothing(model, batch, plan.fit_config))
+        for g in groups:
+            if keep_count(g.n_units, target, g.n_units) < 1:
+                raise ValueError(
+                    f"target_sparsity={target:g} removes all {g.n_units} {g.kind} of {g.name}; a layer keeps at "
+                    f"least one: use a target below {1 - 0.5 / g.n_units:.4g}"
+                )
+
+    def rounding(self, plan, model, masks, batch):
+        """One unit's weights per group (the allocation rounds per group)."""
+        groups = [g for g in self.groups(model, batch, plan.fit_config) if all(m.name in masks for m in g.masked)]
+        return sum(max(1, sum(masks[m.name].numel() for m in g.masked) // g.n_units) for g in groups) or len(masks)
+
+    def achieved(self, model, batch):
+        groups = trace_units(model, example_batch(model, batch)).groups(self.kinds)
+        return {k: v["sparsity"] for k, v in unit_report(model, groups).items()}
+
+    def final(self, plan, soup, dense, batch):
+        """The soup cut to its smaller model (its family's own format where its config states the widths, else
+        hf-sms's); the pruned soup where nothing can be cut, saying why."""
+        try:
+            smaller = shrink(soup, batch, structure=self, fit_config=plan.fit_config, multiple_of=plan.unit_multiple)
+        except (NotImplementedError, ValueError) as e:
+            why = f"hf_sms.shrink could not make it smaller ({str(e)[:200]})"
+            return Final(soup, "bitmask", {"saved": "pruned", "why": why})
+        record = shrink_record(dense, soup, smaller, self, batch)
+        return Final(smaller, "dense", {**record, "saved": "smaller"})
+
+    def timed(self, plan, model, batch):
+        smaller = shrink(model, batch, structure=self, fit_config=plan.fit_config, multiple_of=plan.unit_multiple)
+        return time_smaller(copy.deepcopy(model), smaller, batch)
+
+
+def _parse(name):
+    if not isinstance(name, str):
+        return None
+    nm = parse_n_of_m(name)
+    if nm is not None:
+        return NOfM(*nm)
+    if "+" in name:
+        parts = [p.strip() for p in name.split("+")]
+        if any(p not in KINDS for p in parts) or len(set(parts)) != len(parts):
+            raise ValueError(f"structure={name!r} joins unit structures, each once, e.g. 'neurons+heads'")
+        return Units(tuple(parts))
+    return None
+
+
+STRUCTURES.parse = _parse
+STRUCTURES.add("unstructured", Unstructured())
+for _kind in KINDS:
+    STRUCTURES.add(_kind, Units((_kind,)))
+
+
+def _former_name(p: int):
+    def allocate(tensors, scores, masks, sparsity):
+        raise ValueError(f"allocation='filter_l{p}' means structure='filters', criterion='l{p}': pass it to "
+                         "compute_masks or SparseSoupConfig, which resolve it")  # fmt: skip
+
+    allocate.__doc__ = f"The former name of structure='filters', criterion='l{p}' (Li et al. 2017)."
+    return allocate
+
+
+# The names filter pruning had before structures: still allocations, resolved to what they mean.
+ALLOCATIONS.add("filter_l2", _former_name(2), structure="filters", criterion="l2", prunes="conv")
+ALLOCATIONS.add("filter_l1", _former_name(1), structure="filters", criterion="l1", prunes="conv")
+
+
+def get_structure(name) -> Structure:
+    """The structure ``name`` (a registered name, ``"n:m"``, units joined by ``"+"``, or a :class:`Structure`)."""
+    if isinstance(name, Structure):
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"structure={name!r} must be a name, e.g. 'unstructured', 'neurons' or 'neurons+heads'")
+    return STRUCTURES.get(name)

@@ -1,0 +1,183 @@
+"""The recorder: one eval forward under a dispatch mode that reads every aten op and joins, refines or pins the
+spaces of its inputs and outputs (:mod:`hf_sms.pruning.graph`). Ops it does not know pin what they read."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .labels import Labels, _arg, _flat, _tensors
+from .layers import LayerOps
+from .shapes import ShapeOps
+
+# Ops that act position by position on their inputs' broadcast shape (beside those tagged pointwise).
+_IDENTITY = {
+    "clone", "_to_copy", "alias", "detach", "lift_fresh", "lift_fresh_copy", "contiguous", "_to_dim_order_copy",
+    "to", "dropout", "native_dropout", "masked_fill", "where", "copy", "fill", "zero", "clamp", "clamp_min",
+    "clamp_max", "hardtanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "gelu", "silu", "mish", "relu",
+    "sigmoid", "tanh", "softplus", "threshold", "prelu", "_prelu_kernel", "erf", "round", "abs", "neg", "sign",
+}  # fmt: skip
+_FACTORIES = {
+    "arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+    "randn_like", "new_zeros", "new_ones", "new_full", "new_empty", "scalar_tensor", "rand", "randn", "randint",
+    "empty_strided", "new_empty_strided", "tensor", "bernoulli", "randperm", "linspace", "tril_indices",
+    "triu_indices", "eye",
+}  # fmt: skip
+# Ops that give a weight another shape, layout or dtype: what they return is still that weight.
+_VIEWS = {
+    "t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "_to_copy",
+    "clone", "alias", "detach", "contiguous", "slice", "split", "split_with_sizes", "unbind", "select", "to",
+    "_to_dim_order_copy", "lift_fresh",
+}  # fmt: skip
+# Reads that only test values (control flow), never feed an activation.
+_TESTS = {"_local_scalar_dense", "equal", "is_nonzero", "any", "all", "isnan", "isinf", "isfinite", "sym_size"}
+_REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "logsumexp", "prod", "norm",
+    "linalg_vector_norm", "argmax", "argmin", "nansum", "nanmean", "count_nonzero", "median", "mode",
+}  # fmt: skip
+_ALONG = {"_softmax", "_log_softmax", "_safe_softmax", "softmax", "log_softmax", "cumsum", "cumprod", "sort",
+          "topk", "argsort", "logcumsumexp", "cummax", "cummin", "kthvalue"}  # fmt: skip
+_BATCH_NORMS = {
+    "native_batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "cudnn_batch_norm", "miopen_batch_norm", "batch_norm",
+}  # fmt: skip
+_SDPA = {
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
+    "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable",
+}  # fmt: skip
+
+
+def _spatial(name: str) -> int | None:
+    """How many trailing (spatial) dims a pooling, resizing or padding op changes, from its name."""
+    for k in (1, 2, 3):
+        if name.endswith(f"{k}d") or f"{k}d_" in name or name.endswith(f"{k}d_aa"):
+            return k
+    return None
+
+
+class Recorder(ShapeOps, LayerOps, Labels, TorchDispatchMode):
+    """Labels every tensor of one forward with a space per dimension, joining and pinning them op by op."""
+
+    def __init__(self, names: dict[int, str]):
+        TorchDispatchMode.__init__(self)
+        Labels.__init__(self, names)
+
+    # -- the ops ----------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__.rstrip("_")
+        if name in _VIEWS and args and torch.is_tensor(args[0]) and self.is_weight(args[0]):
+            self.weights.update(id(o) for o in _flat(out) if torch.is_tensor(o))
+        try:
+            self.record(func, name, args, kwargs, out)
+        except Exception as e:  # noqa: BLE001 - an op this analysis reads wrong must not stop the forward
+            self.unknown(func, args, kwargs, out, f"{name} ({type(e).__name__})")
+        return out
+
+    def unknown(self, func, args, kwargs, out, name=None) -> None:
+        reason = f"read by aten.{name or func.overloadpacket.__name__}, which hf-sms does not follow"
+        self.pin_all(_tensors(args, kwargs), reason)
+        for o in _flat(out):
+            self.fresh(o, reason)
+
+    def record(self, func, name, args, kwargs, out) -> None:  # noqa: C901 - one branch per family of ops
+        tensors = _tensors(args, kwargs)
+        if name in _FACTORIES or (not tensors and not name.startswith("_scaled")):
+            for o in _flat(out):
+                self.fresh(o, free=True)
+            return
+        if name in _TESTS:
+            for o in _flat(out):
+                self.fresh(o)
+            return
+        handler = getattr(self, f"op_{name}", None)
+        if handler is not None:
+            handler(func, args, kwargs, out)
+        elif name in _BATCH_NORMS:
+            self.batch_norm(args, out)
+        elif name in _SDPA:
+            self.sdpa(func, args, kwargs, out)
+        elif name in _REDUCTIONS:
+            self.reduction(func, name, args, kwargs, out)
+        elif name in _ALONG:
+            dim = _arg(func, args, kwargs, "dim", -1)
+            x = args[0]
+            labels = self.lab(x)
+            self.s.pin(labels[dim % max(x.dim(), 1)], f"{name} runs along it") if x.dim() else None
+            for o in _flat(out):
+                if torch.is_tensor(o) and o.shape == x.shape:
+                    self.set(o, labels)
+                else:
+                    self.fresh(o)
+        elif name in _IDENTITY or torch.Tag.pointwise in func.tags:
+            self.pointwise(args, kwargs, out)
+        elif (k := _spatial(name)) is not None and ("pool" in name or "upsample" in name or "pad" in name):
+            self.spatial(name, k, args, out)
+        else:
+            self.unknown(func, args, kwargs, out)
+
+    def pointwise(self, args, kwargs, out) -> None:
+        """Join each output dimension's space with the inputs' that match it (broadcast dims of size 1 do not). A
+        dimension only constants have (a zeros tensor's) joins nothing: a constant reused by several layers (T5's
+        cross-attention position bias) must not tie their units together."""
+        outs = [o for o in _flat(out) if torch.is_tensor(o)]
+        if not outs:
+            return
+        shape = outs[0].shape
+        inputs = [(t, self.lab(t)) for t in _tensors(args, kwargs) if t.dim() > 0]
+        labels = []
+        for k in range(len(shape), 0, -1):
+            found = [tl[-k] for t, tl in inputs if k <= t.dim() and t.shape[-k] == shape[-k] and shape[-k] > 1]
+            real = [space for space in found if not self.s.is_free(space)] or found
+            space = real[0] if real else self.s.new(shape[-k], free=True)
+            for other in real[1:]:
+                space = self.s.union(space, other)
+            labels.append(space)
+        for o in outs:
+            if o.shape == shape:
+                self.set(o, labels)
+            else:
+                self.fresh(o)
+
+    def reduction(self, func, name, args, kwargs, out) -> None:
+        x = args[0]
+        labels = self.lab(x)
+        dims = _arg(func, args, kwargs, "dim", None)
+        if dims is None or dims == []:
+            dims = list(range(x.dim()))
+        dims = {d % max(x.dim(), 1) for d in ([dims] if isinstance(dims, int) else dims)}
+        for d in dims:
+            self.s.pin(labels[d], f"{name} over it")
+        keep = [labels[d] for d in range(x.dim()) if d not in dims]
+        for o in _flat(out):
+            if not torch.is_tensor(o):
+                continue
+            if o.dim() == len(keep):
+                self.set(o, keep)
+            elif o.dim() == x.dim():  # keepdim
+                self.set(o, [self.s.new(1) if d in dims else labels[d] for d in range(x.dim())])
+            else:
+                self.fresh(o)
+
+    def spatial(self, name, k, args, out) -> None:
+        x = args[0]
+        labels = self.lab(x)
+        if "pad" in name and "constant" not in name:
+            pass
+        for o in _flat(out):
+            if torch.is_tensor(o) and o.dim() == x.dim():
+                self.set(o, [*labels[: x.dim() - k], *(self.s.new(n) for n in o.shape[x.dim() - k :])])
+            else:
+                self.fresh(o)
+
+    def op_constant_pad_nd(self, func, args, kwargs, out) -> None:
+        x, pad = args[0], list(args[1])
+        labels = list(self.lab(x))
+        for j in range(len(pad) // 2):
+            d = x.dim() - 1 - j
+            if pad[2 * j] or pad[2 * j + 1]:
+                self.s.pin(labels[d], "padded")
+                labels[d] = self.s.new(out.shape[d])
+        self.set(out, labels)
