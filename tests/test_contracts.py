@@ -62,7 +62,7 @@ def test_every_soup_keeps_the_mask_and_its_promises(name):
 
     scores = [evaluate(r) for r in replicas]
     result, weights = soup(
-        replicas, name, scores=scores, evaluate=evaluate, sparsity=0.7, pruning={"allocation": "uniform"}
+        replicas, name, scores=scores, evaluate=evaluate, sparsity=0.7, reprune=lambda m, s: compute_masks(m, s, "uniform")
     )
     assert len(weights) == len(replicas) and any(weights)
     got = masks_from_model(result)
@@ -140,8 +140,8 @@ def test_every_pruning_method_keeps_whole_filters(tmp_path, digits, name):
     tiny = {**hf_sms.PRUNING_METHODS.meta(name)["tiny"], "target_sparsity": 0.5}
     args = sms_config(tmp_path, pruning_method=name, num_replicas=2, measure_speedup=False, structure="filters", **tiny)
     soup_model, results = run_sms(DigitsResNet(width=4), args, train, ClassificationAccuracy(), eval_dataset=val)
-    filters = hf_sms.sparsity_report(soup_model)["filters"]
-    assert filters["sparsity"] == pytest.approx(0.5, abs=0.01), name
+    batch = torch.stack([val[i]["x"] for i in range(4)])
+    assert args.plan.achieved(soup_model, batch) == {"filters": pytest.approx(0.5, abs=0.01)}, name
     assert results["rows"][results["final_row"]][-1]["units"] == {"filters": pytest.approx(0.5, abs=0.01)}
 
 

@@ -219,14 +219,23 @@ def _structure_lines(shrunk) -> list[str]:
             f"- A plain smaller model: **{small:,}** parameters against {dense:,} dense "
             f"({small / max(dense, 1):.3f}x); it loads with its own library, without hf-sms."
         )
-        if isinstance(kept := shrunk.get("zero_filters_kept"), int) and kept > 0:
+        kept = _zero_units(shrunk)
+        if kept:
             lines.append(
-                f"- {kept:,} removed filters stay in it as all-zero filters: its library's arguments cannot state "
-                "those layers narrower (they change no output)."
+                f"- {kept} stay in it as zeros: its library's config cannot state those layers narrower (they "
+                "change no output)."
             )
     elif shrunk.get("why"):
         lines.append(f"- Saved as the pruned model, not a smaller one: {_text(shrunk['why'])}.")
     return lines
+
+
+def _zero_units(shrunk: dict) -> str:
+    """``"12 removed filters, 4 removed neurons"``: the removed units a smaller model keeps as zeros, or ``""``."""
+    kept = shrunk.get("zero_units_kept")
+    if not isinstance(kept, dict):
+        return ""
+    return ", ".join(f"{n:,} removed {_text(kind)}" for kind, n in kept.items() if isinstance(n, int) and n > 0)
 
 
 def _loading_line(info: dict) -> str:
@@ -324,7 +333,7 @@ def model_card(
     speed = f"**{_cell(speedup)}x** over the dense model" if speedup is not None else "not measured"
     shrunk = recipe.get("shrunk") if isinstance(recipe.get("shrunk"), dict) else {}
     if shrunk.get("saved") == "smaller":
-        but = ", but for the all-zero filters it keeps (above)" if shrunk.get("zero_filters_kept") else ""
+        but = ", but for the removed units it keeps as zeros (above)" if _zero_units(shrunk) else ""
         speed_note = f"Whole units are cut out: the smaller model saves these FLOPs as it is, on any device{but}."
     else:
         speed_note = "Unstructured sparsity runs faster only with sparse kernels; it always shrinks the checkpoint."

@@ -85,7 +85,7 @@ class PruningPlan:
 
     def achieved(self, model: nn.Module, example_inputs=None) -> dict:
         """``{kind: fraction removed}`` of the units this plan prunes (``{}`` for weight structures)."""
-        return self.structure.achieved(model, example_inputs)
+        return self.structure.achieved(self, model, example_inputs)
 
     def final(self, soup: nn.Module, dense: nn.Module, example_inputs) -> Final:
         """What the run's final soup is saved as (the smaller model for units)."""

@@ -54,7 +54,7 @@ class Structure:
     def check(self, plan, model: nn.Module, target: float, batch) -> None:
         """Refuse, before any work, a model this structure prunes nothing of."""
 
-    def achieved(self, model: nn.Module, batch) -> dict:
+    def achieved(self, plan, model: nn.Module, batch) -> dict:
         """``{kind: fraction of those units removed}`` (``{}`` where units are not what is pruned)."""
         return {}
 
@@ -190,8 +190,8 @@ class Units(Structure):
         groups = [g for g in self.groups(model, batch, plan.fit_config) if all(m.name in masks for m in g.masked)]
         return sum(max(1, sum(masks[m.name].numel() for m in g.masked) // g.n_units) for g in groups) or len(masks)
 
-    def achieved(self, model, batch):
-        groups = trace_units(model, example_batch(model, batch)).groups(self.kinds)
+    def achieved(self, plan, model, batch):
+        groups = self.groups(model, batch, plan.fit_config)
         return {k: v["sparsity"] for k, v in unit_report(model, groups).items()}
 
     def final(self, plan, soup, dense, batch):

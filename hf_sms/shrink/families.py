@@ -97,10 +97,11 @@ class TransformersConfig(ConfigFamily):
         return isinstance(model, PreTrainedModel)
 
     def values(self, model):
-        return {k.name: getattr(model.config, k.name) for k in self.knobs if hasattr(model.config, k.name)}
+        return {k.name: getattr(model.config, k.name) for k in self.knobs if self.accepts(model, k)}
 
     def accepts(self, model, knob):
-        return hasattr(model.config, knob.name)
+        aliases = getattr(model.config, "attribute_map", {})  # T5's num_attention_heads is its num_heads
+        return hasattr(model.config, knob.name) and knob.name not in aliases
 
     def _pinned(self, model, overrides: dict) -> dict:
         """``overrides`` with the head size stated, where they change a head count: fewer heads of the same size."""

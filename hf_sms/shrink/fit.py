@@ -93,7 +93,10 @@ def _counting(family, model, knobs, groups, keep, multiple_of, dense, cache, ove
     """Set counting knobs (transformers' FFN width, head counts). Knobs that count the same groups (LLaMA's query
     and key/value head counts) change together; the groups they count keep one number of units."""
     values = family.values(model)
-    todo = {i for i, g in enumerate(groups) if not stated[i] and not bool(keep[i].all())}
+    # every group of a kind, those that removed nothing too: one count sizes them all
+    todo = {i for i in range(len(groups)) if not stated[i]}
+    if all(bool(keep[i].all()) for i in todo):
+        return
     components: list[dict] = []
     # a field left None (GPT-2's n_inner: 4 x hidden) counts what the model has; it is tried after set fields
     ordered = sorted(knobs, key=lambda k: values.get(k.name) is None)
@@ -105,9 +108,9 @@ def _counting(family, model, knobs, groups, keep, multiple_of, dense, cache, ove
         mine = {i for i in todo if groups[i].kind == knob.kind and (value is None or value % groups[i].n_units == 0)}
         if value is None:
             mine -= claimed
-            if not mine or len({groups[i].n_units for i in mine}) != 1:
-                continue
-            value = groups[min(mine)].n_units
+            value = max((groups[i].n_units for i in mine), default=0)
+        exact = {i for i in mine if groups[i].n_units == value}
+        mine = exact or mine  # intermediate_size counts the FFNs, not a pooler whose width divides it
         if not mine or len({groups[i].n_units for i in mine}) != 1:
             continue
         claimed |= mine
@@ -119,6 +122,8 @@ def _counting(family, model, knobs, groups, keep, multiple_of, dense, cache, ove
         components.append(component)
     for component in components:
         members = sorted(component["groups"])
+        if all(bool(keep[i].all()) for i in members):
+            continue
         sizes = {groups[i].n_units for i in members}
         if len(sizes) != 1:
             continue
@@ -145,7 +150,7 @@ def _search_value(fits, knob: Knob, dense_value) -> float | int | None:
         if not fits(hi):
             return None
         lo = 0.0
-        for _ in range(16):
+        for _ in range(12):
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         return hi

@@ -87,15 +87,17 @@ class ShapeOps(Labels):
         n = x.shape[dim]
         start, end = (args[2] if len(args) > 2 else 0), (args[3] if len(args) > 3 else n)
         step = args[4] if len(args) > 4 else 1
-        start = 0 if start is None else (start + n if start < 0 else min(start, n))
-        end = n if end is None else (end + n if end < 0 else min(end, n))
+        start = 0 if start is None else min(max(start + n if start < 0 else start, 0), n)
+        end = n if end is None else min(max(end + n if end < 0 else end, start), n)
         labels = list(self.lab(x))
         if step != 1:
             self.s.pin(labels[dim], "strided slice")
             labels[dim] = self.s.new(out.shape[dim])
+        elif end == start:
+            labels[dim] = self.s.new(0)
         elif end - start != n:
             parts = self.s.refine(labels[dim], [start, end - start, n - end], "sum")
-            labels[dim] = parts[1 if start else 0] if end > start else self.s.new(0)
+            labels[dim] = parts[1 if start else 0]
         self.set(out, labels)
 
     def op_select(self, func, args, kwargs, out) -> None:
