@@ -9,7 +9,9 @@
 #     exact after the bf16 autocast steps; (b) the sparse runtime (csr, 2:4 semi_structured) vs dense cuBLAS on
 #     T5-small shapes, and 2:4 on 4096/11008-wide layers under CUDA graphs; (c) a --smoke recipe run under
 #     `accelerate launch` on the GPU; (d) structured soups: the pruned model against hf_sms.shrink of it in bf16
-#     at batch 64 (T5-small and GPT-2 small shapes, ResNet-50).
+#     with the GPU busy (256 sequences x 128 tokens, 256 images: T5-small, ResNet-50, MaxViT, EfficientNet-B0), and
+#     under CUDA graphs (torch.compile mode="reduce-overhead") at batch 64; (e) FFN widths at and off multiples of
+#     8 in bf16 (SparseSoupConfig.unit_multiple).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -59,8 +61,19 @@ echo "[$((SECONDS - start)) s]"
 
 echo "== (d) structured: pruned vs shrunk =="
 if [[ $DRY == 1 ]]; then
-  "$PY" benchmarks/structured.py --dry-run --batch 2
+  "$PY" benchmarks/structured.py --dry-run --batch 2 --only t5 resnet50
 else
-  "$PY" benchmarks/structured.py --device cuda --dtype bfloat16 --batch 64 --repeats 10
+  "$PY" benchmarks/structured.py --device cuda --dtype bfloat16 --batch 256 --repeats 10 --quick \
+    --only t5 resnet50 maxvit efficientnet
+  "$PY" benchmarks/structured.py --device cuda --dtype bfloat16 --batch 64 --repeats 10 --quick --compile \
+    --only t5 resnet50
+fi
+echo "[$((SECONDS - start)) s]"
+
+echo "== (e) widths at multiples of 8 =="
+if [[ $DRY == 1 ]]; then
+  "$PY" benchmarks/unit_multiple.py --quick --batch 1
+else
+  "$PY" benchmarks/unit_multiple.py --device cuda --dtype bfloat16 --batch 64
 fi
 echo "[$((SECONDS - start)) s] gpu_check done"

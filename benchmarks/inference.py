@@ -101,7 +101,7 @@ def bench_t5(sparsities, threads, repeats, quick):
 
 
 def bench_vision(threads, repeats, quick):
-    from hf_sms.pruning.structured import shrink_filters
+    from hf_sms import shrink
 
     print(f"\n### Vision models, batch 1, {threads} thread(s)\n")
     row("model", "pruning", "dense ms", "runtime / shrunk ms", "speedup", "sparse layers", "weights MB dense", "now")
@@ -123,12 +123,13 @@ def bench_vision(threads, repeats, quick):
                 f"{len(rep.sparse_layers)}/{len(rep.layers)}", f"{mb[0]:.0f}", f"{mb[1]:.0f}")  # fmt: skip
         if name.startswith("ResNet"):  # structured: whole filters removed, exported as a smaller dense model
             for s in (0.5,) if quick else (0.3, 0.5):
-                masked = pruned(copy.deepcopy(base), s, "filter_l2")
-                shrunk = shrink_filters(masked, x, exact=False).eval()
+                masked = copy.deepcopy(base)
+                apply_masks(masked, compute_masks(masked, s, structure="filters", example_inputs=x, fit_config=False))
+                shrunk = shrink(masked, x, fit_config=False).eval()
                 with torch.inference_mode():
                     d, r = time_pair(functools.partial(masked, x), functools.partial(shrunk, x), repeats, CPU)
                 mb = weight_bytes(masked) / 2**20, weight_bytes(shrunk) / 2**20
-                row(name, f"filter_l2 {s:.0%} of filters, shrink_filters", f"{d:.1f}", f"{r:.1f}",
+                row(name, f"filters {s:.0%} of filters, shrink", f"{d:.1f}", f"{r:.1f}",
                     f"**{d / r:.2f}x**", "-", f"{mb[0]:.0f}", f"{mb[1]:.0f}")  # fmt: skip
 
 

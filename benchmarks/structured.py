@@ -2,14 +2,17 @@
 
     python benchmarks/structured.py                    # T5-small and GPT-2 small shapes, ResNet-50; 1 thread
     python benchmarks/structured.py --quick            # one sparsity, fewer repeats (a check that it runs)
-    python benchmarks/structured.py --device cuda --dtype bfloat16 --batch 64   # on a GPU (benchmarks/gpu_check.sh)
+    python benchmarks/structured.py --device cuda --dtype bfloat16 --batch 256  # a busy GPU (benchmarks/gpu_check.sh)
+    python benchmarks/structured.py --device cuda --dtype bfloat16 --batch 64 --compile   # CUDA graphs
 
 Models have random weights pruned with ``structure="neurons+heads"`` (T5; GPT-2's config cannot say fewer heads of
-the same size, so GPT-2 prunes ``neurons``) or ``"filters"`` (ResNet-50, smp PSPNet), ``criterion="l2"``: timing
-depends on the shapes only. Convnets are shrunk twice: to the widths their library's arguments state (the
-default, what a structured run saves) and with ``fit_config=False`` (every removable channel cut). Every ratio is
-the median of interleaved repeats of the same input (machines are noisy: read ratios). ``shrink`` checks on the
-timed input that the smaller model's outputs equal the pruned one's (relative 1e-4).
+the same size, so GPT-2 prunes ``neurons``) or ``"filters"`` (ResNet-50, MaxViT, EfficientNet-B0, smp PSPNet), at
+Li et al.'s L2 norm: timing depends on the shapes only. Convnets are pruned and shrunk twice: the units their
+library's arguments state (the default, what a structured run saves; EfficientNet-B0 has none) and with
+``fit_config=False`` (every unit the graph has, cut in place). ``--compile`` times both models under
+``torch.compile(mode="reduce-overhead")`` (CUDA graphs on a GPU). Every ratio is the median of interleaved repeats of
+the same input (machines are noisy: read ratios). ``shrink`` checks on the timed input that the smaller model's
+outputs equal the pruned one's (relative 1e-4 in float32).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from functools import partial
 import torch
 
 from hf_sms import apply_masks, compute_masks, shrink
-from hf_sms.pruning.shrink import parameter_count
 from hf_sms.runtime import time_pair
+from hf_sms.shrink import parameter_count
 
 DRY = False  # --dry-run: every model a few layers wide (a check on a CPU that each step runs)
 
@@ -50,6 +53,16 @@ def resnet50():
 
     torch.manual_seed(0)
     return timm.create_model("resnet18" if DRY else "resnet50", pretrained=False)
+
+
+def timm_model(name, **kwargs):
+    def make():
+        import timm
+
+        torch.manual_seed(0)
+        return timm.create_model(name, pretrained=False, **kwargs)
+
+    return make
 
 
 def pspnet(encoder):
@@ -80,25 +93,34 @@ def tokens(batch, length, vocab, device, seq2seq):
 
 
 def bench_model(name, make, structure, sparsities, workloads, args, fit_config=(True,)):
-    """Rows for ``make()`` pruned to each sparsity: forward (and generate) dense-shaped vs shrunk (for convnets
-    with ``fit_config`` True, the widths timm states, and False, every removable channel cut)."""
+    """Rows for ``make()`` pruned to each sparsity: forward (and generate) dense-shaped vs shrunk (``fit_config``
+    True: the units its library's arguments state; False: every unit, cut in place)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     base = make().to(device=device, dtype=dtype).eval()
     dense_params = parameter_count(base)
+    check = workloads[0][1]  # units are traced, and shrink checks outputs, on the first input
     for sparsity in sparsities:
-        pruned = copy.deepcopy(base)
-        apply_masks(pruned, compute_masks(pruned, sparsity, structure=structure, criterion="l2"))
-        check = workloads[0][1]  # shrink checks outputs on the first input
         for fit in fit_config:
+            pruned = copy.deepcopy(base)
+            try:
+                masks = compute_masks(pruned, sparsity, structure=structure, example_inputs=check, fit_config=fit)
+            except ValueError as e:  # e.g. a family whose arguments state no unit
+                row(name, f"{sparsity:.0%} {structure}", "-", "-", "-", "-", str(e).splitlines()[0][:90])
+                continue
+            apply_masks(pruned, masks)
             small = shrink(pruned, check, rtol=1e-4 if dtype == torch.float32 else 2e-2, fit_config=fit).eval()
             ratio, how = parameter_count(small) / dense_params, "" if fit else " (fit_config=False)"
+            if args.compile:
+                pruned, small = (torch.compile(m, mode="reduce-overhead") for m in (pruned, small))
             for label, batch, call in workloads:
+                if args.compile and call is not forward:
+                    continue  # generate() recompiles per length: CUDA graphs time the forward only
                 with torch.inference_mode():
                     d, s = time_pair(partial(call, pruned, batch), partial(call, small, batch), args.repeats, device)
-                speedup = f"**{d / s:.2f}x**"
-                row(name, f"{sparsity:.0%} {structure}{how}", label, f"{d:.1f}", f"{s:.1f}", speedup, f"{ratio:.3f}")
-            del small
-        del pruned
+                what = f"{label}{' compiled' if args.compile else ''}"
+                row(name, f"{sparsity:.0%} {structure}{how}", what, f"{d:.1f}", f"{s:.1f}", f"**{d / s:.2f}x**",
+                    f"{ratio:.3f}")  # fmt: skip
+            del small, pruned
 
 
 def forward(model, batch):
@@ -119,7 +141,8 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batch", type=int, default=8, help="the larger batch (the smaller is 1)")
-    models = ["t5", "gpt2", "resnet50", "pspnet"]
+    parser.add_argument("--compile", action="store_true", help='torch.compile(mode="reduce-overhead") both models')
+    models = ["t5", "gpt2", "resnet50", "maxvit", "efficientnet", "pspnet"]
     parser.add_argument("--only", nargs="*", default=models, choices=models)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="tiny models, 64 px, 2 repeats: checks it runs")
@@ -154,6 +177,17 @@ def main():
         images = [torch.randn(n, 3, px, px, generator=g).to(device, getattr(torch, args.dtype)) for n in (1, b)]
         work = [(f"forward {n}x{px}px", x, forward) for n, x in zip((1, b), images)]
         bench_model("ResNet-50", resnet50, "filters", [0.5], work, args, fit_config=(True, False))
+    for key, label, arch, kinds in (
+        ("maxvit", "MaxViT-tiny", "maxvit_tiny_tf_224", "filters+neurons"),
+        ("efficientnet", "EfficientNet-B0", "efficientnet_b0", "filters"),
+    ):
+        if key in args.only:
+            g = torch.Generator().manual_seed(0)
+            px = 64 if args.dry_run else 224
+            images = [torch.randn(n, 3, px, px, generator=g).to(device, getattr(torch, args.dtype)) for n in (1, b)]
+            work = [(f"forward {n}x{px}px", x, forward) for n, x in zip((1, b), images)]
+            kwargs = {"img_size": px} if key == "maxvit" else {}
+            bench_model(label, timm_model(arch, **kwargs), kinds, [0.5], work, args, fit_config=(True, False))
     if "pspnet" in args.only:
         g = torch.Generator().manual_seed(0)
         px = 64 if args.dry_run else 256

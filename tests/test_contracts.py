@@ -62,7 +62,12 @@ def test_every_soup_keeps_the_mask_and_its_promises(name):
 
     scores = [evaluate(r) for r in replicas]
     result, weights = soup(
-        replicas, name, scores=scores, evaluate=evaluate, sparsity=0.7, reprune=lambda m, s: compute_masks(m, s, "uniform")
+        replicas,
+        name,
+        scores=scores,
+        evaluate=evaluate,
+        sparsity=0.7,
+        reprune=lambda m, s: compute_masks(m, s, "uniform"),
     )
     assert len(weights) == len(replicas) and any(weights)
     got = masks_from_model(result)

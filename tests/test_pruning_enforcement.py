@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers.optimization import Adafactor
 
-from hf_sms.pruning.enforcement import MaskEnforcer
 from hf_sms import apply_masks, compute_masks
+from hf_sms.pruning.enforcement import MaskEnforcer
 from hf_sms.pruning.prunable import prunable_tensors
 
 

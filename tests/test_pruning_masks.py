@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from hf_sms.pruning.allocations import ALLOCATIONS, erk_densities, lamp_scores, register_allocation
 from hf_sms.plan import compute_masks, prune
+from hf_sms.pruning.allocations import ALLOCATIONS, erk_densities, lamp_scores, register_allocation
 from hf_sms.pruning.masks import (
     PruningStep,
     apply_masks,

@@ -7,8 +7,8 @@ import torch
 from conftest import make_t5
 from torch import nn
 
-from hf_sms.evaluation import theoretical_speedup
 from hf_sms import apply_masks, compute_masks, prune, sparsity_report
+from hf_sms.evaluation import theoretical_speedup
 from hf_sms.pruning.prunable import prunable_tensors
 
 

@@ -7,8 +7,8 @@ Sizes keep the units' layers the larger share of the weights, as in real models,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
