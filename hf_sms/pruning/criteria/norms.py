@@ -1,0 +1,24 @@
+"""The magnitude criteria: ``|w|`` (the paper's, and Li et al.'s L1 filter norm) and ``w**2`` (the L2 norm)."""
+
+from __future__ import annotations
+
+from . import register_criterion
+
+
+@register_criterion("magnitude")
+def magnitude(tensors, weights, context):
+    """``|w|`` (the paper's criterion); a unit's score is its L1 norm."""
+    return {n: w.abs() for n, w in weights.items()}
+
+
+@register_criterion("l1")
+def l1(tensors, weights, context):
+    """``|w|``: a unit's score is its L1 norm (Li et al. 2017's own filter criterion)."""
+    return magnitude(tensors, weights, context)
+
+
+@register_criterion("l2")
+def l2(tensors, weights, context):
+    """``w**2``: a unit's score is its squared L2 norm, which ranks units as the norm does (docs/method.md §11);
+    the default for units (the paper: "we adopt the L2-norm criterion from Li et al.")."""
+    return {n: w.square() for n, w in weights.items()}
