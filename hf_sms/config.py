@@ -226,7 +226,7 @@ class SparseSoupConfig(TrainingArguments):
                 **given, seed=derive_seed(self.seed, "pruning"), unit_multiple=self.unit_multiple,
                 fit_config=self.fit_config,
             )  # fmt: skip
-            self.plan.structure.validate(self.plan, self.target_sparsity)
+            self.plan.validate(self.target_sparsity)
         except ValueError as e:
             raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in given.items() if v is not None)}: {e}") from None
         if self.allocation is None:  # recorded as what it means, so a run folder says it

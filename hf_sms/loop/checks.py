@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import warnings
@@ -124,23 +123,20 @@ def warn_unused_weights(model, batch) -> list[str]:
 
 
 def preview_shrink(args, model, batch) -> float | None:
-    """Log, before training, the parameters of the model pruned once to the target and saved as the plan saves a
-    final soup, against the dense ones: about what the final soup will have (its units are chosen by training,
-    their numbers are not). Warn where it would hardly be smaller. ``None`` for weight structures (the final soup
-    keeps its shapes)."""
-    if args.plan.units != "units":
-        return None
-    pruned = copy.deepcopy(model)
+    """Log, before training, the parameters of the final soup of ``model`` pruned once to the target, against the
+    dense ones: about what the run's final soup will have (its units are chosen by training, their numbers are
+    not). Warn where it would hardly be smaller. ``None`` where the final soup keeps the model's shapes."""
     try:
-        args.plan.prune(pruned, args.target_sparsity, example_inputs=batch)
         with warnings.catch_warnings():  # shrink's note on the zeros it keeps: the line below says it
             warnings.simplefilter("ignore", UserWarning)
-            final = args.plan.final(pruned, model, batch)
+            final = args.plan.preview(model, args.target_sparsity, batch)
+        if final is None:
+            return None
         ratio = parameter_count(final.model) / parameter_count(model)
     except (ValueError, NotImplementedError, RuntimeError) as e:
         logger.warning("[hf-sms] could not preview the smaller model (%s); training goes on", str(e)[:200])
         return None
-    structure, target = args.plan.structure.name, args.target_sparsity
+    structure, target = args.plan.describe()["structure"], args.target_sparsity
     if ratio > 0.95:
         logger.warning(
             "[hf-sms] structure=%r at %g: the final soup will be pruned but hardly smaller (about %.3fx the dense "

@@ -75,6 +75,15 @@ class PruningPlan:
         apply_masks(model, step.masks)
         return step
 
+    def validate(self, target: float) -> None:
+        """Refuse a run's target this plan cannot reach (an n:m pattern has one sparsity), before any model."""
+        self.structure.validate(self, target)
+
+    def preview(self, model: nn.Module, target: float, example_inputs) -> Final | None:
+        """What the final soup would be saved as if ``model`` were pruned to ``target`` once now (its units are
+        chosen by training, their numbers are not); ``None`` where the final soup keeps the model's shapes."""
+        return self.structure.preview(self, model, target, example_inputs)
+
     def check(self, model: nn.Module, target: float, example_inputs=None) -> None:
         """Refuse, before any work, a model this plan prunes nothing of (or would empty a layer of)."""
         self.structure.check(self, model, target, example_inputs)

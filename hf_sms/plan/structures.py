@@ -65,6 +65,10 @@ class Structure:
     def final(self, plan, soup: nn.Module, dense: nn.Module, batch) -> Final:
         return Final(soup, "bitmask")
 
+    def preview(self, plan, model: nn.Module, target: float, batch) -> Final | None:
+        """The final soup of ``model`` pruned once to ``target`` (``None``: it keeps the model's shapes)."""
+        return None
+
     def timed(self, plan, model: nn.Module, batch) -> dict:
         """``model`` timed dense against what makes it faster here (the sparse runtime, or the smaller model)."""
         return measure_speedup_of(model, batch)
@@ -204,6 +208,11 @@ class Units(Structure):
             return Final(soup, "bitmask", {"saved": "pruned", "why": why})
         record = shrink_record(dense, soup, smaller, self, batch)
         return Final(smaller, "dense", {**record, "saved": "smaller"})
+
+    def preview(self, plan, model, target, batch):
+        pruned = copy.deepcopy(model)
+        plan.prune(pruned, target, example_inputs=batch)
+        return self.final(plan, pruned, model, batch)
 
     def timed(self, plan, model, batch):
         smaller = shrink(model, batch, structure=self, fit_config=plan.fit_config, multiple_of=plan.unit_multiple)

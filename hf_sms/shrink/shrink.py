@@ -225,7 +225,7 @@ def shrink_record(dense: nn.Module, pruned: nn.Module, shrunk: nn.Module, struct
     batch = example_batch(pruned, example_inputs)
     groups = trace_units(pruned, batch).groups(kinds_of(structure))
     return {
-        "structure": structure if isinstance(structure, str) else "+".join(kinds_of(structure)),
+        "structure": "+".join(kinds_of(structure)),
         "units": unit_report(pruned, groups),
         "dense_config": dense_values(dense, shrunk),
         "zero_units_kept": zero_units_kept(shrunk, batch, structure),
