@@ -89,16 +89,25 @@ def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
 
 
 # smp (32 s) with -m slow: its 2-process run is also the PSPNet smoke run's (tests/test_smoke.py), in CI
-@pytest.mark.parametrize("family", ["t5", "timm", pytest.param("smp", marks=pytest.mark.slow)])
-def test_two_processes_give_the_sequential_soup_for_every_family(tmp_path, family):
+@pytest.mark.parametrize(
+    ("family", "structure"),
+    [("t5", "unstructured"), ("timm", "unstructured"), ("t5", "neurons+heads"), ("timm", "filters"),
+     pytest.param("smp", "unstructured", marks=pytest.mark.slow),
+     pytest.param("smp", "filters", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_two_processes_give_the_sequential_soup_for_every_family(tmp_path, family, structure):
     # each process saves the replicas it owns in the family's own format (transformers, timm, smp)
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
     for n, out in outs.items():
-        _run(_cmd(n, "sms_families.py", family, out))
+        _run(_cmd(n, "sms_families.py", family, out, "--structure", structure))
     assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
     par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
     assert untimed(par["rows"]) == untimed(seq["rows"]) and par["dense"] == seq["dense"]
     assert (outs[2] / "sms" / "phase2" / "replica1" / "sparsity.json").is_file()  # written by rank 1
+    if structure != "unstructured":  # units: the final soup is the smaller model, the same on 1 and 2 processes
+        info = [json.loads((d / "final_soup" / "sparsity.json").read_text()) for d in outs.values()]
+        shrunk = [i["recipe"]["shrunk"] for i in info]
+        assert shrunk[0]["saved"] == "smaller" and shrunk[0] == shrunk[1]
 
 
 def _kill_when(cmd, marker: Path, timeout=240) -> None:

@@ -1,4 +1,5 @@
-"""A tiny SMS run of one model family, launched by the parallel tests: ``python sms_families.py FAMILY OUT``.
+"""A tiny SMS run of one model family, launched by the parallel tests: ``python sms_families.py FAMILY OUT
+[--structure S]``.
 
 FAMILY is ``t5`` (transformers), ``timm`` or ``smp``. Run it with ``torchrun --nproc_per_node N`` or plainly;
 replicas are saved as the family's own checkpoint folders by whichever process owns them, and the main process
@@ -55,6 +56,7 @@ def segmentation_data(n=24):
 parser = argparse.ArgumentParser()
 parser.add_argument("family", choices=["t5", "timm", "smp"])
 parser.add_argument("output_dir")
+parser.add_argument("--structure", default="unstructured")
 cli = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -65,7 +67,7 @@ model, data = {
 }[cli.family]()
 args = sms_config(
     None, output_dir=cli.output_dir, target_sparsity=0.5, max_steps=3, per_device_train_batch_size=4,
-    learning_rate=0.01, merge_methods=["uniform"],
+    learning_rate=0.01, merge_methods=["uniform"], structure=cli.structure,
 )  # fmt: skip
 soup, results = run_sms(model, args, data[:16], NegativeLoss(), eval_dataset=data[16:], test_dataset=data[16:])
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
