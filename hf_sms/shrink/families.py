@@ -55,6 +55,10 @@ class ConfigFamily:
     def accepts(self, model: nn.Module, knob: Knob) -> bool:
         return False
 
+    def default(self, model: nn.Module, knob: Knob):
+        """The value a knob has when ``model``'s config does not name it (its constructor's default), or None."""
+        return None
+
     def build(self, model: nn.Module, overrides: dict) -> nn.Module | None:
         """A new model of ``model``'s kind with ``overrides`` (knob name -> value; ``None`` drops an argument), or
         ``None`` where the family rebuilds nothing (plain torch: its code does)."""
@@ -146,6 +150,7 @@ class TransformersConfig(ConfigFamily):
 class TimmConfig(ConfigFamily):
     library = "timm"
     knobs = (
+        Knob("channels", "filters"),  # ResNet planes per stage (a tuple, searched stage by stage): residual streams
         Knob("base_width", "filters"),  # ResNet bottleneck width per 64 channels
         Knob("stem_width", "filters"),  # ResNet and MaxViT stems
         Knob("block_reduce_first", "filters", wider=False),  # ResNet basic blocks: first conv planes // it
@@ -165,6 +170,10 @@ class TimmConfig(ConfigFamily):
         if knob.only:
             return type(model).__name__ in knob.only
         return knob.name in inspect.signature(type(model).__init__).parameters
+
+    def default(self, model, knob):
+        parameter = inspect.signature(type(model).__init__).parameters.get(knob.name)
+        return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
     def build(self, model, overrides):
         import timm
@@ -191,7 +200,7 @@ class SmpConfig(ConfigFamily):
         Knob("decoder_channels", "filters"),  # DeepLabV3 (an int; Unet's tuple is not searched)
         Knob("decoder_pyramid_channels", "filters"),  # FPN
         Knob("decoder_segmentation_channels", "filters"),
-        *(k for k in TimmConfig.knobs if not k.only),  # a tu- encoder takes timm's arguments
+        *(k for k in TimmConfig.knobs if not k.only and k.name != "channels"),  # a tu- encoder takes timm's
     )
 
     def detects(self, model):

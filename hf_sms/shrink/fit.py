@@ -166,6 +166,17 @@ def _search_value(fits, knob: Knob, dense_value) -> float | int | None:
     return value if value > 0 and fits(value) else None
 
 
+def _search_elements(fits, knob: Knob, values: list) -> tuple | None:
+    """A tuple knob (timm ResNet's ``channels``) searched one element after the other."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return None
+    for j in range(len(values)):
+        found = _search_value(lambda v, j=j: fits(tuple([*values[:j], v, *values[j + 1 :]])), knob, values[j])
+        if found is not None:
+            values[j] = found
+    return tuple(values)
+
+
 def _searched(family, model, knobs, groups, keep, multiple_of, dense, cache, overrides, stated, final):
     """Search width knobs (timm, smp) for the smallest model holding every layer's kept units."""
     todo = [i for i, g in enumerate(groups) if not stated[i] and not bool(keep[i].all())]
@@ -191,7 +202,11 @@ def _searched(family, model, knobs, groups, keep, multiple_of, dense, cache, ove
                 return False  # a layer no removed unit lies in must keep its width
             return all(need[key] <= built[key[0]][key[1]] <= dense[key[0]][key[1]] for key in need)
 
-        value = _search_value(fits, knob, values.get(knob.name))
+        start = values.get(knob.name) if values.get(knob.name) is not None else family.default(model, knob)
+        if isinstance(start, (tuple, list)):  # one value per stage: each searched with the others where they are
+            value = _search_elements(fits, knob, list(start))
+        else:
+            value = _search_value(fits, knob, start)
         if value is not None and _built(family, model, {**overrides, knob.name: value}, cache) != _built(
             family, model, overrides, cache
         ):

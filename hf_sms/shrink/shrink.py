@@ -207,12 +207,14 @@ def dense_shaped(smaller: nn.Module, dense_config: dict) -> nn.Module:
     names = {k.name for k in family.knobs}
 
     def ok(v):
+        if isinstance(v, (list, tuple)):  # timm ResNet's channels per stage (a list once read from JSON)
+            return 0 < len(v) <= 16 and all(ok(x) and x is not None for x in v)
         return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 2**20)
 
     bad = {k: v for k, v in (dense_config or {}).items() if k not in names or not ok(v)}
     if bad or not dense_config or family is FAMILY_CONFIGS.get("transformers") and not hasattr(smaller, "config"):
         raise ValueError(f"cannot rebuild the dense shapes from {dense_config!r} (knobs {sorted(names)})")
-    dense = family.build(smaller, dict(dense_config))
+    dense = family.build(smaller, {k: tuple(v) if isinstance(v, list) else v for k, v in dense_config.items()})
     if dense is None:
         raise ValueError(f"cannot rebuild the dense shapes of a plain {type(smaller).__name__}")
     return dense.to(next(smaller.parameters()).device).eval()
