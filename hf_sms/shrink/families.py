@@ -200,7 +200,7 @@ class SmpConfig(ConfigFamily):
         Knob("decoder_channels", "filters"),  # DeepLabV3 (an int; Unet's tuple is not searched)
         Knob("decoder_pyramid_channels", "filters"),  # FPN
         Knob("decoder_segmentation_channels", "filters"),
-        *(k for k in TimmConfig.knobs if not k.only and k.name != "channels"),  # a tu- encoder takes timm's
+        *(k for k in TimmConfig.knobs if not k.only),  # a tu- encoder takes timm's arguments
     )
 
     def detects(self, model):
@@ -218,6 +218,17 @@ class SmpConfig(ConfigFamily):
         timm_encoder = str(self._config(model).get("encoder_name", "")).startswith("tu-")
         own = knob.name in inspect.signature(type(model).__init__).parameters
         return own or (timm_encoder and any(knob is k for k in TimmConfig.knobs))
+
+    def default(self, model, knob):
+        owner = type(model)
+        name = str(self._config(model).get("encoder_name", ""))
+        if knob.name not in inspect.signature(owner.__init__).parameters and name.startswith("tu-"):
+            import timm
+
+            with torch.device("meta"):  # the class of the timm model the encoder wraps, for its defaults
+                owner = type(timm.create_model(name[3:], pretrained=False))
+        parameter = inspect.signature(owner.__init__).parameters.get(knob.name)
+        return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
     def build(self, model, overrides):
         args = {**self._config(model), **overrides}

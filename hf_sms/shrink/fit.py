@@ -22,6 +22,7 @@ from ..pruning.units import UnitGroup
 from .families import ConfigFamily, Knob, config_family
 
 _LARGEST = 1 << 14
+_BUILDS: dict = {}  # per model architecture: {knob values: shapes built}
 
 
 @dataclass
@@ -205,6 +206,12 @@ def _searched(family, model, knobs, groups, keep, multiple_of, dense, cache, ove
         start = values.get(knob.name) if values.get(knob.name) is not None else family.default(model, knob)
         if isinstance(start, (tuple, list)):  # one value per stage: each searched with the others where they are
             value = _search_elements(fits, knob, list(start))
+            for j in range(len(start) if value is not None else 0):  # a stage no weight depends on keeps its value
+                kept = (*value[:j], start[j], *value[j + 1 :])
+                if _built(family, model, {**overrides, knob.name: kept}, cache) == _built(
+                    family, model, {**overrides, knob.name: value}, cache
+                ):
+                    value = kept
         else:
             value = _search_value(fits, knob, start)
         if value is not None and _built(family, model, {**overrides, knob.name: value}, cache) != _built(
@@ -228,7 +235,10 @@ def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], mul
     of ``multiple_of``), or ``None`` where the family rebuilds nothing (plain torch). Groups no knob states keep
     every unit."""
     family = config_family(model)
-    cache: dict = {}
+    key = (type(model).__qualname__, repr(family.values(model)), tuple(tensor_shapes(model).items()))
+    cache = _BUILDS.setdefault(key, {})  # builds depend on the config, not the weights: a run fits twice
+    if len(_BUILDS) > 8:
+        _BUILDS.pop(next(iter(_BUILDS)))
     if _built(family, model, {}, cache) is None:
         return None
     dense = tensor_shapes(model)
