@@ -139,12 +139,12 @@ ZOO: dict[str, Entry] = {
         _image(16), ("neurons",), TIMM, ("heads",)),
     "maxvit": Entry(
         _timm("maxvit_rmlp_nano_rw_256", num_classes=4, img_size=32, **_TINY_MAXVIT),
-        _image(32), ("filters", "neurons"), TIMM, ("heads",)),
+        _image(32), ("filters", "neurons"), TIMM),  # its heads add a relative-position bias read by index: whole
     "efficientnet_b0": Entry(_timm("efficientnet_b0", num_classes=4), _image(32), (), None, ("filters",)),
     "convnext_atto": Entry(_timm("convnext_atto", num_classes=4), _image(32), (), None, ("filters", "neurons")),
     "smp_unet": Entry(
         _smp("Unet", encoder_name="tu-resnet18", encoder_depth=3, decoder_channels=(32, 16, 8), classes=19),
-        _image(32), (), None, ("filters",)),
+        _image(32), ("filters",), SMP),
     "smp_pspnet": Entry(
         _smp("PSPNet", encoder_name="tu-resnet18", encoder_depth=3, psp_out_channels=32, classes=19),
         _image(32), ("filters",), SMP),

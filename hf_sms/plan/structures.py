@@ -24,9 +24,10 @@ from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
 from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
 from ..registry import ALLOCATIONS, STRUCTURES
 from ..runtime.speed import measure_speedup_of, time_smaller
+from ..shrink.cut import cut_in_place, kept_index
 from ..shrink.families import config_family
 from ..shrink.fit import fit
-from ..shrink.shrink import KINDS, example_batch, shrink, shrink_record
+from ..shrink.shrink import KINDS, eval_output, example_batch, shrink, shrink_record
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,6 @@ class Units(Structure):
     def __init__(self, kinds: tuple[str, ...]):
         self.kinds = tuple(kinds)
         self.name = "+".join(self.kinds)
-        self._statable: dict = {}
 
     def groups(self, model: nn.Module, batch, fit_config: bool = True) -> list[UnitGroup]:
         """The unit groups of ``model`` this structure prunes: with ``fit_config``, those its family's config can
@@ -129,18 +129,8 @@ class Units(Structure):
         groups = trace_units(model, example_batch(model, batch)).groups(self.kinds)
         if not fit_config or not groups:
             return groups
-        stated = self._stated(model, batch, groups)
-        return [g for g, ok in zip(groups, stated) if ok] if stated is not None else groups
-
-    def _stated(self, model, batch, groups) -> list[bool] | None:
-        key = (type(model).__qualname__, tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
-        if key not in self._statable:
-            probe = [torch.arange(g.n_units) < max(1, g.n_units // 2) for g in groups]  # half of each group
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                found = fit(model, groups, probe)
-            self._statable[key] = None if found is None else found.stated
-        return self._statable[key]
+        stated = _stated(model, example_batch(model, batch), groups, self.kinds)
+        return [g for g, ok in zip(groups, stated) if ok]
 
     def masks(self, plan, model, tensors, scores, current, sparsity, batch):
         groups = self.groups(model, batch, plan.fit_config)
@@ -217,6 +207,47 @@ class Units(Structure):
     def timed(self, plan, model, batch):
         smaller = shrink(model, batch, structure=self, fit_config=plan.fit_config, multiple_of=plan.unit_multiple)
         return time_smaller(copy.deepcopy(model), smaller, batch)
+
+
+_STATED: dict = {}
+
+
+def _stated(model: nn.Module, batch, groups: list[UnitGroup], kinds) -> list[bool]:
+    """Per group, whether the smaller model can drop its units: its family's config states them (:func:`fit` on
+    half of every group), or, for a model no config rebuilds, cutting half of every group of its kind in place
+    keeps the outputs (a plain ``nn.MultiheadAttention`` cannot lose heads: its head size is ``embed_dim /
+    num_heads``). Remembered per architecture."""
+    key = (type(model).__qualname__, tuple(kinds), tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    if key not in _STATED:
+        if len(_STATED) > 16:
+            _STATED.pop(next(iter(_STATED)))
+        probe = [torch.arange(g.n_units) < max(1, g.n_units // 2) for g in groups]  # half of each group
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = fit(model, groups, probe)
+        _STATED[key] = found.stated if found is not None else _cuttable(model, batch, groups, probe)
+    return _STATED[key]
+
+
+@torch.no_grad()
+def _cuttable(model: nn.Module, batch, groups: list[UnitGroup], probe: list[torch.Tensor]) -> list[bool]:
+    """Per group: whether cutting half of every group of its kind in place keeps ``model``'s outputs."""
+    ok = {}
+    for kind in dict.fromkeys(g.kind for g in groups):
+        chosen = [i for i, g in enumerate(groups) if g.kind == kind]
+        pruned = copy.deepcopy(model).eval()
+        params = dict(pruned.named_parameters())
+        for i in chosen:
+            for m in groups[i].masked:
+                params[m.name].mul_(m.expand(probe[i], params[m.name].shape).to(params[m.name].device))
+        index = kept_index(pruned, [groups[i] for i in chosen], [probe[i] for i in chosen])
+        try:
+            smaller = cut_in_place(copy.deepcopy(pruned), index)
+            expected, got = eval_output(pruned, batch), eval_output(smaller, batch)
+            ok[kind] = expected.shape == got.shape and torch.allclose(expected, got, rtol=1e-3, atol=1e-5)
+        except (RuntimeError, ValueError, IndexError):  # a module reads a size its attributes still say
+            ok[kind] = False
+    return [ok[g.kind] for g in groups]
 
 
 def _parse(name):

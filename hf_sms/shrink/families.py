@@ -89,6 +89,7 @@ class TransformersConfig(ConfigFamily):
             "intermediate_size", "d_ff", "n_inner", "ffn_dim", "hidden_dim", "encoder_ffn_dim", "decoder_ffn_dim",
             "ffn_hidden_size", "inner_dim",
         )]
+        + [Knob("mlp_ratio", "neurons", ratio=True)]  # Swin, ...: the FFN width as a multiple of each stage's
         + [Knob(n, "heads", counts=True) for n in (
             "num_attention_heads", "num_key_value_heads", "num_heads", "n_heads", "n_head",
             "encoder_attention_heads", "decoder_attention_heads",

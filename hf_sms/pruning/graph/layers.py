@@ -9,6 +9,8 @@ import torch
 
 from .labels import CHANNELWISE, CONSUMER, PRODUCER, Labels, _arg, _flat
 
+VALUE = "the size of an attention's values (each head's)"
+
 
 class LayerOps(Labels):
     """The recorder's layer ops."""
@@ -33,6 +35,8 @@ class LayerOps(Labels):
         weights = (self.is_weight(args[0]), self.is_weight(args[1]))
         self.contract(a[1], b[0], weights, "linear")
         self.produce((a[0], b[1]), weights, "linear")
+        if not any(weights):  # attention's probabilities times its values: the values keep their head size
+            self.s.pin(b[1], VALUE)
         self.set(out, [a[0], b[1]])
 
     def op_addmm(self, func, args, kwargs, out) -> None:
@@ -45,6 +49,8 @@ class LayerOps(Labels):
         batch = self.s.union(a[0], b[0])
         self.contract(a[2], b[1], weights, "linear")
         self.produce((a[1], b[2]), weights, "linear")
+        if not any(weights):
+            self.s.pin(b[2], VALUE)
         self.set(out, [batch, a[1], b[2]])
 
     def op_baddbmm(self, func, args, kwargs, out) -> None:
@@ -109,6 +115,7 @@ class LayerOps(Labels):
         self.contract(ql[-1], kl[-1], (False, False), "attention")
         keys = self.s.union(kl[-2], vl[-2])
         self.s.pin(keys, "attended over (a softmax)")
+        self.s.pin(vl[-1], VALUE)
         mask = _arg(func, args, kwargs, "attn_mask", None)
         if mask is None:
             mask = _arg(func, args, kwargs, "attn_bias", None)

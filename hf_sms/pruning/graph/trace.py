@@ -166,11 +166,12 @@ def _units(model: nn.Module, rec: Recorder) -> Trace:
         if kind == "sum" and depth < 64:
             for c in children:
                 factor_roles(c, depth + 1)
-        elif kind == "prod":
+        elif kind == "prod":  # the innermost factor is the head size; the first other one that stays, the heads
             first = True
-            for factor in s.factors(r):
+            factors = s.factors(r)
+            for j, factor in enumerate(factors):
                 leaves = [s.find(leaf) for leaf in s.expand(factor)]
-                if first and not all(leaf in pinned for leaf in leaves):
+                if first and j < len(factors) - 1 and not all(leaf in pinned for leaf in leaves):
                     outer.update(leaves)
                     first = False
                 else:
