@@ -16,7 +16,7 @@ from hf_sms import apply_masks, compute_masks, shrink
 from hf_sms.pruning import trace_units
 from hf_sms.shrink import parameter_count
 
-STATED = sorted(n for n, e in ZOO.items() if e.kinds)
+STATED = sorted(n for n, e in ZOO.items() if e.kinds and e.loader)  # families that load without hf-sms
 
 
 def _pruned(name, sparsity=0.5, **kwargs):

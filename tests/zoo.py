@@ -148,4 +148,22 @@ ZOO: dict[str, Entry] = {
     "smp_pspnet": Entry(
         _smp("PSPNet", encoder_name="tu-resnet18", encoder_depth=3, psp_out_channels=32, classes=19),
         _image(32), ("filters",), SMP),
+    # families no table names: found from the graph all the same
+    "bart": Entry(
+        _hf("BartForConditionalGeneration", "BartConfig", d_model=16, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, **_LM),
+        _seq2seq, ("neurons",), _auto("AutoModelForSeq2SeqLM"), ("heads",)),
+    "swin": Entry(
+        _hf("SwinForImageClassification", "SwinConfig", embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=2,
+            image_size=32, patch_size=4, mlp_ratio=4.0, num_labels=3),
+        _pixels(32), ("neurons",), _auto("AutoModelForImageClassification")),
+    "densenet": Entry(_timm("densenet121", num_classes=4), _image(32), (), None, ("filters",)),
+    "mobilenetv3": Entry(_timm("mobilenetv3_small_050", num_classes=4), _image(32), (), None, ("filters", "neurons")),
+    "torchvision_resnet": Entry(
+        lambda seed=0: (torch.manual_seed(seed), __import__("torchvision").models.resnet18(num_classes=4))[1],
+        _image(32), ("filters",)),
+    "transformer_encoder": Entry(
+        lambda seed=0: (torch.manual_seed(seed), torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(16, 2, 64, batch_first=True), 2, enable_nested_tensor=False))[1],
+        lambda: torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)), ("neurons",), None, ("heads",)),
 }  # fmt: skip
