@@ -246,6 +246,12 @@ def _loading_line(info: dict) -> str:
             "**Loading needs hf-sms and the model's code**: `pip install hf-sms`, then "
             "`hf_sms.load_sparse(DIR, model=MyModel(...))` with a model of the same architecture."
         )
+    if shrunk.get("saved") == "smaller" and shrunk.get("cut") == "in place":
+        return (
+            "**Loading needs hf-sms**: a smaller model with whole units cut out where its library's config cannot "
+            "state the widths. `pip install hf-sms`, then `hf_sms.load_sparse(DIR)`, which builds the model and cuts "
+            "it to the stored widths."
+        )
     if info.get("format") == "dense":
         what = "a smaller model with whole units cut out (`hf_sms.shrink`)" if shrunk.get("saved") == "smaller" else (
             "pruned weights stored as zeros"
@@ -271,7 +277,9 @@ def write_card(folder: str, name: str, existing: str | None = None) -> None:
 
 
 def _how_to_load(info: dict, repo: str) -> str:
-    snippet = _family(info).load_snippet(info.get("architecture"), info.get("format"), repo, hub=True)
+    shrunk = (info.get("recipe") or {}).get("shrunk")
+    own = not (isinstance(shrunk, dict) and shrunk.get("cut") == "in place")  # only hf-sms rebuilds a cut in place
+    snippet = _family(info).load_snippet(info.get("architecture"), info.get("format"), repo, hub=True, own=own)
     return "```python\n" + snippet + "\n```"
 
 

@@ -108,7 +108,7 @@ class Family:
         """Lines that load the checkpoint with the family's own loader, or ``None`` if it cannot."""
         return None
 
-    def load_snippet(self, architecture: str, fmt: str, location: str, hub: bool = True) -> str:
+    def load_snippet(self, architecture: str, fmt: str, location: str, hub: bool = True, own: bool = True) -> str:
         """Python code that loads the checkpoint (shown in model cards and by ``hf-sms inspect``).
 
         Args:
@@ -116,13 +116,15 @@ class Family:
             fmt: ``"bitmask"`` or ``"dense"``.
             location: the Hub repository id, or a local folder.
             hub: whether ``location`` is a Hub repository.
+            own: the family's own loader where it has one; ``False``: :func:`hf_sms.load_sparse` (a smaller model
+                cut in place, which only hf-sms rebuilds).
         """
         if architecture is not None and not re.fullmatch(
             r"[A-Za-z_]\w{0,200}(\.[A-Za-z_]\w{0,200}){0,20}", str(architecture), re.ASCII
         ):
             # the name goes into Python code that readers copy and run
             raise ValueError(f"architecture {architecture!r} is not a class name; re-save the checkpoint")
-        lines = self.own_loader(architecture, fmt, location, hub)
+        lines = self.own_loader(architecture, fmt, location, hub) if own else None
         if lines is None:
             source = f"snapshot_download({_literal(location)})" if hub else _literal(location)
             template = ", model=MyModel(...)" if self.library == "torch" else ""  # plain models need a template

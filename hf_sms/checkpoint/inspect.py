@@ -99,6 +99,10 @@ def inspect_checkpoint(directory: str) -> dict:
         "recorded": {k: info.get(k) for k in _COMPARED} if info is not None else None,
         "recipe": (info or {}).get("recipe"),
         "metrics": (info or {}).get("metrics"),
-        "how_to_load": family.load_snippet(ckpt.architecture, ckpt.format, location, hub=False) if family else None,
+        "how_to_load": (
+            family.load_snippet(ckpt.architecture, ckpt.format, location, hub=False, own=not ckpt.cut_in_place)
+            if family
+            else None
+        ),
         "per_tensor": measured["per_tensor"],
     }

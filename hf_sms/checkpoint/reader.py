@@ -73,6 +73,13 @@ class SparseCheckpoint:
         self.format = "bitmask" if len(self._names) < len(self._where) else "dense"
 
     @property
+    def cut_in_place(self) -> bool:
+        """A smaller model whose units were cut in place (its family's config cannot state its widths):
+        :func:`hf_sms.load_sparse` cuts the model the family or a template builds to the stored shapes first."""
+        shrunk = ((self.info or {}).get("recipe") or {}).get("shrunk")
+        return isinstance(shrunk, dict) and shrunk.get("saved") == "smaller" and shrunk.get("cut") == "in place"
+
+    @property
     def family(self) -> Family:
         return get_family(self.library)
 

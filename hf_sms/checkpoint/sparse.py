@@ -7,6 +7,7 @@ import os
 from accelerate import init_empty_weights
 from torch import nn
 
+from ..shrink.cut import resize_to
 from .card import write_card
 from .codec import crc32
 from .constants import CARD_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME
@@ -141,6 +142,11 @@ def load_sparse(
     ckpt = SparseCheckpoint(directory)
     if runtime is not None:
         return load_runtime(ckpt, model, runtime, sample_input, min_sparsity, verify, mmap, **kwargs)
+    if ckpt.cut_in_place:  # a smaller model its config cannot state: the model it was cut from, cut the same way
+        if model is None:
+            model = ckpt.family.instantiate(ckpt, **kwargs)
+            ckpt.family.tie_weights(model)
+        resize_to(model, {name: ckpt.spec(name)[0] for name in ckpt.names()})
     if model is None:  # the shapes of the model the family builds, without its weights
         with init_empty_weights(include_buffers=False):
             ckpt.check_claims(ckpt.family.instantiate(ckpt, **kwargs))

@@ -78,6 +78,23 @@ def _resize(module: nn.Module, old: dict[str, torch.Size]) -> None:
 
 
 @torch.no_grad()
+def resize_to(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> nn.Module:
+    """``model`` with every tensor that ``shapes`` (a checkpoint's, by name) holds smaller cut to that shape, in place:
+    the model a smaller checkpoint cut in place was saved from, ready to load it. Only ever smaller, dimension by
+    dimension; a tensor of another rank or a larger one is left for the load to refuse."""
+    index = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        stored = tuple(shapes.get(name, tensor.shape))
+        if (
+            len(stored) == tensor.dim()
+            and stored != tuple(tensor.shape)
+            and all(0 < s <= t for s, t in zip(stored, tensor.shape))
+        ):
+            index.update({(name, d): torch.arange(s) for d, (s, t) in enumerate(zip(stored, tensor.shape)) if s < t})
+    return cut_in_place(model, index)
+
+
+@torch.no_grad()
 def cut_in_place(model: nn.Module, index: Index) -> nn.Module:
     """Cut ``index``'s positions out of ``model``'s parameters and buffers, in place (a tied tensor once), and
     tell every layer whose tensors changed its new sizes. Returns ``model``."""

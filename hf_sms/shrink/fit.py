@@ -230,6 +230,13 @@ def _searched(family, model, knobs, groups, keep, multiple_of, dense, cache, ove
             final[i], stated[i] = pad(keep[i], groups[i].n_units - fewer // k), True
 
 
+def states_itself(model: nn.Module) -> bool:
+    """Whether ``model``'s family builds a model of exactly its shapes from its own config (a smaller model cut to
+    widths its config states), rather than one only a cut in place has."""
+    family = config_family(model)
+    return _built(family, model, {}, {}) == tensor_shapes(model)
+
+
 def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], multiple_of: int = 1) -> Fit | None:
     """The smaller model ``model``'s family can state with the units ``keep`` leaves (each group keeping a multiple
     of ``multiple_of``), or ``None`` where the family rebuilds nothing (plain torch). Groups no knob states keep

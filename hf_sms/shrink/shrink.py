@@ -17,7 +17,7 @@ from ..pruning.prunable import accepts_labels, unfused_attention
 from ..pruning.units import UnitGroup, removed_units, unit_report
 from .cut import cut_in_place, cut_state_dict, kept_index
 from .families import FAMILY_CONFIGS, config_family
-from .fit import fit, pad
+from .fit import fit, pad, states_itself
 
 KINDS = ("filters", "neurons", "heads")
 
@@ -228,6 +228,9 @@ def shrink_record(dense: nn.Module, pruned: nn.Module, shrunk: nn.Module, struct
     groups = trace_units(pruned, batch).groups(kinds_of(structure))
     return {
         "structure": "+".join(kinds_of(structure)),
+        # "config": its family's config states the widths (loads without hf-sms); "in place": hf_sms.load_sparse
+        # cuts the model its family (or a template) builds to the stored widths
+        "cut": "config" if states_itself(shrunk) else "in place",
         "units": unit_report(pruned, groups),
         "dense_config": dense_values(dense, shrunk),
         "zero_units_kept": zero_units_kept(shrunk, batch, structure),
