@@ -245,3 +245,30 @@ def test_save_and_load_keep_whole_units(tmp_path, fmt):
     loaded = load_sparse(str(tmp_path))
     for name, mask in masks_from_model(model).items():
         assert torch.equal(masks_from_model(loaded)[name], mask), name
+
+
+def test_cases_that_pruned_nothing_without_a_word_are_refused_or_pruned():
+    """Issue 30: heads on a LLaMA with one key/value head (multi-query attention) prune its query heads, and the
+    config says 4 of 8; neurons of a plain module holding a transformers layer need a batch to be traced."""
+    from transformers import BertConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=1, head_dim=2)  # fmt: skip
+    llama, ids = LlamaForCausalLM(config), {"input_ids": torch.randint(0, 64, (2, 6))}
+    apply_masks(llama, compute_masks(llama, 0.5, structure="heads", example_inputs=ids))
+    smaller = hf_sms.shrink(llama, ids)
+    assert (smaller.config.num_attention_heads, smaller.config.num_key_value_heads) == (4, 1)
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = BertLayer(BertConfig(hidden_size=16, num_attention_heads=2, intermediate_size=32))
+
+        def forward(self, x):
+            return self.layer(x)[0]
+
+    with pytest.raises(ValueError, match="Holder needs a batch: pass example_inputs"):
+        compute_masks(Holder(), 0.5, structure="neurons")
+    masks = compute_masks(Holder(), 0.5, structure="neurons", example_inputs=torch.randn(2, 5, 16))
+    assert int((~masks["layer.intermediate.dense.weight"].any(1)).sum()) == 16

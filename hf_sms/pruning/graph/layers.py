@@ -110,8 +110,9 @@ class LayerOps(Labels):
         if q.shape[-3] == k.shape[-3]:
             heads = self.s.union(heads, kv)
         elif q.shape[-3] % k.shape[-3] == 0:  # grouped-query attention: query heads = kv heads x group size
-            outer, _ = self.s.refine(heads, [k.shape[-3], q.shape[-3] // k.shape[-3]], "prod")
-            self.s.union(outer, kv)
+            parts = self.s.refine(heads, [k.shape[-3], q.shape[-3] // k.shape[-3]], "prod")
+            if len(parts) == 2:  # one key/value head: every query head is in its group, no unit to join
+                self.s.union(parts[0], kv)
         self.contract(ql[-1], kl[-1], (False, False), "attention")
         keys = self.s.union(kl[-2], vl[-2])
         self.s.pin(keys, "attended over (a softmax)")

@@ -105,7 +105,7 @@ class Recorder(ShapeOps, LayerOps, Labels, TorchDispatchMode):
             dim = _arg(func, args, kwargs, "dim", -1)
             x = args[0]
             labels = self.lab(x)
-            self.s.pin(labels[dim % max(x.dim(), 1)], f"{name} runs along it") if x.dim() else None
+            self.s.pin(labels[dim % max(x.dim(), 1)], f"mixed along it (aten.{name})") if x.dim() else None
             for o in _flat(out):
                 if torch.is_tensor(o) and o.shape == x.shape:
                     self.set(o, labels)
@@ -149,7 +149,7 @@ class Recorder(ShapeOps, LayerOps, Labels, TorchDispatchMode):
             dims = list(range(x.dim()))
         dims = {d % max(x.dim(), 1) for d in ([dims] if isinstance(dims, int) else dims)}
         for d in dims:
-            self.s.pin(labels[d], f"{name} over it")
+            self.s.pin(labels[d], f"reduced over (aten.{name})")
         keep = [labels[d] for d in range(x.dim()) if d not in dims]
         for o in _flat(out):
             if not torch.is_tensor(o):

@@ -91,7 +91,7 @@ class ShapeOps(Labels):
         end = n if end is None else min(max(end + n if end < 0 else end, start), n)
         labels = list(self.lab(x))
         if step != 1:
-            self.s.pin(labels[dim], "strided slice")
+            self.s.pin(labels[dim], "sliced with a stride")
             labels[dim] = self.s.new(out.shape[dim])
         elif end == start:
             labels[dim] = self.s.new(0)
@@ -103,7 +103,7 @@ class ShapeOps(Labels):
     def op_select(self, func, args, kwargs, out) -> None:
         x, dim = args[0], args[1] % args[0].dim()
         labels = self.lab(x)
-        self.s.pin(labels[dim], "one position of it selected")
+        self.s.pin(labels[dim], "indexed at one position")
         self.set(out, [lab for d, lab in enumerate(labels) if d != dim])
 
     def op_unbind(self, func, args, kwargs, out) -> None:

@@ -57,6 +57,15 @@ class Trace:
         return out
 
 
+def _skip(skipped: dict[str, str], layer: str, why: str) -> None:
+    """Say why ``layer``'s output is no unit (two reasons at most: a head count and a head size may differ)."""
+    said = skipped.get(layer)
+    if said is None:
+        skipped[layer] = why
+    elif why not in said and ";" not in said:
+        skipped[layer] = f"{said}; {why}"
+
+
 def _module_of(name: str) -> str:
     return name.rpartition(".")[0] or name
 
@@ -194,13 +203,13 @@ def _units(model: nn.Module, rec: Recorder) -> Trace:
         layer = _module_of(producers[0])
         if leaf in pinned:
             for p in producers:
-                skipped.setdefault(_module_of(p), f"its output is {pinned[leaf]}")
+                _skip(skipped, _module_of(p), f"its output is {pinned[leaf]}")
             continue
         if n < 2:
-            skipped.setdefault(layer, "one unit only")
+            _skip(skipped, layer, "one unit only")
             continue
         if leaf in inner:
-            skipped.setdefault(layer, "slices inside each head (head size, or query heads of a key/value group)")
+            _skip(skipped, layer, "slices inside each head (head size, or query heads of a key/value group)")
             continue
         producer_kinds = {k for _, k in by_role.get(PRODUCER, [])}
         consumer_kinds = {k for _, k in by_role.get(CONSUMER, [])}
@@ -214,7 +223,7 @@ def _units(model: nn.Module, rec: Recorder) -> Trace:
             if producer_kinds <= linear and consumer_kinds and consumer_kinds <= linear and CHANNELWISE not in by_role:
                 kinds.add("neurons")  # an FFN: no norm or depthwise conv acts on its units
         if not kinds:
-            skipped.setdefault(layer, f"made by {', '.join(sorted(producer_kinds))} layers, read by "
+            _skip(skipped, layer, f"made by {', '.join(sorted(producer_kinds))} layers, read by "
                                       f"{', '.join(sorted(consumer_kinds)) or 'none'}")  # fmt: skip
             continue
         flat_roles = {key: {r for r, _ in rs} or {"follower"} for key, rs in roles[leaf].items()}
