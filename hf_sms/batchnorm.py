@@ -89,6 +89,11 @@ def recalibrate_batchnorm(model: nn.Module, batches: Iterable, max_batches: int 
     if world is not None and world.size > 1:
         parts = world.all_gather(sums)
         sums = {name: tuple(sum(p[name][k] for p in parts) for k in range(3)) for name in sums}
+    if not any(n for _, _, n in sums.values()):  # resetting to mean 0, variance 1 would pass for statistics
+        raise ValueError(
+            "recalibrate_batchnorm got no batches (or none reached a BatchNorm): its statistics would be reset to "
+            "mean 0 and variance 1. Pass the training data, e.g. a DataLoader over the training set"
+        )
     for name, bn in bns.items():
         total_mean, total_var, n = sums[name]
         bn.reset_running_stats()

@@ -3,6 +3,7 @@ differed: each test here failed before its fix (issue 14)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from conftest import sms_config
 from torch import nn
 
-from hf_sms import SparseModelSoup, run_sms
+from hf_sms import SparseModelSoup, run_sms, save_sparse
 from hf_sms.data import load_digits_splits, split_validation
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
@@ -757,3 +758,27 @@ def test_a_run_from_public_weights_says_so_in_its_output_and_card(tmp_path, digi
     assert json.loads((soup / "sparsity.json").read_text())["recipe"]["notes"] == [note]
     card = (soup / "README.md").read_text()
     assert "## Notes" in card and "was in the training data of those weights" in card
+
+
+def test_folders_are_written_with_the_users_umask(tmp_path):
+    """Issue 30: a folder hf-sms writes gets the mode the user's umask gives, not mkdtemp's 0700."""
+    old = os.umask(0o022)
+    try:
+        save_sparse(nn.Linear(4, 4), str(tmp_path / "soup"))
+        assert os.stat(tmp_path / "soup").st_mode & 0o777 == 0o755
+        os.umask(0o077)
+        save_sparse(nn.Linear(4, 4), str(tmp_path / "private"))
+        assert os.stat(tmp_path / "private").st_mode & 0o777 == 0o700
+    finally:
+        os.umask(old)
+
+
+def test_batchnorm_recalibration_without_batches_is_refused():
+    """Issue 30: recalibrating on no data would reset every BatchNorm to mean 0, variance 1 without a word."""
+    from hf_sms import recalibrate_batchnorm
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    model[1].running_mean.fill_(3.0)
+    with pytest.raises(ValueError, match="got no batches"):
+        recalibrate_batchnorm(model, [])
+    assert bool((model[1].running_mean == 3.0).all())  # untouched

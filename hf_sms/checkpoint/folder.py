@@ -162,9 +162,16 @@ def atomic_folder(directory: str, mode: str = "new") -> Iterator[str]:
     try:
         yield tmp
         check_target(directory, mode)  # something may have appeared there meanwhile
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 is for while it is written; then the user's own mode
         _install(tmp, directory, mode)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask sets it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def restore_previous(directory: str) -> None:
