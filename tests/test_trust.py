@@ -782,3 +782,20 @@ def test_batchnorm_recalibration_without_batches_is_refused():
     with pytest.raises(ValueError, match="got no batches"):
         recalibrate_batchnorm(model, [])
     assert bool((model[1].running_mean == 3.0).all())  # untouched
+
+
+def test_an_index_whose_weight_map_is_not_names_is_refused_with_a_message(tmp_path, capsys):
+    """Issue 30: numbers in model.safetensors.index.json's weight_map crashed the reader (AttributeError) and
+    `hf-sms inspect` printed a raw traceback."""
+    import json
+
+    from hf_sms import load_sparse
+    from hf_sms.cli import main
+
+    folder = tmp_path / "soup"
+    save_sparse(nn.Linear(4, 4), str(folder))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"weight": 1, "bias": 2}}))
+    with pytest.raises(ValueError, match="has no weight_map of tensor names to file names"):
+        load_sparse(str(folder), model=nn.Linear(4, 4))
+    assert main(["inspect", str(folder)]) == 2
+    assert "has no weight_map of tensor names to file names" in capsys.readouterr().err

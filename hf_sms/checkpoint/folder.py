@@ -105,7 +105,13 @@ def weight_files(directory: str) -> list[str]:
     """The safetensors files of a folder: the shards its index lists, else ``model.safetensors``."""
     index = read_json(checkpoint_file(directory, INDEX_NAME))
     if index is not None:
-        names = sorted(set((index.get("weight_map") or {}).values()))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(
+                f"{directory}: {INDEX_NAME} has no weight_map of tensor names to file names; the index is corrupted, "
+                "re-save or re-download the checkpoint"
+            )
+        names = sorted(set(weight_map.values()))
         missing = [n for n in names if checkpoint_file(directory, n) is None]
         if missing or not names:
             raise ValueError(f"{directory}: {INDEX_NAME} lists missing weight files {missing}; re-save the checkpoint")
