@@ -373,3 +373,17 @@ def test_csr_positions_that_break_the_invariants_are_refused():
     builder.add(np.asarray([1], dtype=np.int64))
     with pytest.raises(ValueError, match="positions of 2"):
         builder.tensor(torch.ones(1))  # fewer positions than the matrix holds
+
+
+def test_a_runtime_model_survives_torch_save_and_load(tmp_path):
+    """Issue 30: torch.load of a torch.save'd runtime model failed (its cast guard was a bound method); it loads,
+    computes the same and still refuses a cast its sparse layers cannot take."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    apply_masks(model, compute_masks(model, 0.9))
+    runtime = to_sparse_runtime(model, "csr", torch.randn(2, 64), min_sparsity=0.0)
+    torch.save(runtime, tmp_path / "runtime.pt")
+    loaded = torch.load(tmp_path / "runtime.pt", weights_only=False)  # our own file, written just now
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(loaded(x), runtime(x))
+    with pytest.raises(ValueError, match="cannot become torch.bfloat16"):
+        loaded.to(torch.bfloat16)

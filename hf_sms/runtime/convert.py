@@ -9,8 +9,8 @@ both ways at the end and left dense if the runtime were slower. The decisions an
 
 from __future__ import annotations
 
+import functools
 import logging
-import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -315,8 +315,8 @@ def finish(model, report, swaps: dict[str, Swap], sample_input, margin, repeats,
         _time_whole_model(model, swaps, by_name, report, sample_input, repeats, device)
     for p in model.parameters():
         p.requires_grad_(False)
-    if not isinstance(model, _InferenceOnly):  # a bound method: copy.deepcopy rebinds it to the copy
-        model._apply = types.MethodType(guarded_apply, model)
+    if not isinstance(model, _InferenceOnly):  # bound to the model: copy.deepcopy and torch.load rebind it
+        model._apply = functools.partial(guarded_apply, model)  # a partial pickles (torch.save) and deep-copies
     model.eval()
 
 
