@@ -799,3 +799,41 @@ def test_an_index_whose_weight_map_is_not_names_is_refused_with_a_message(tmp_pa
         load_sparse(str(folder), model=nn.Linear(4, 4))
     assert main(["inspect", str(folder)]) == 2
     assert "has no weight_map of tensor names to file names" in capsys.readouterr().err
+
+
+def test_data_built_on_the_fly_is_read_in_full_and_a_partial_comparison_is_said(tmp_path, digits, caplog):
+    """Issue 30: a map-style set building items on the fly with one item changed, and a plain torch stream grown from
+    24 to 96 items, resumed the old run without a word; now both are read in full (up to ITEMS items), and a resume
+    that compared only part of a larger set says so."""
+    from torch.utils.data import Dataset, IterableDataset
+
+    from hf_sms.loop import run_directory
+    from hf_sms.loop.run_directory import data_identity
+
+    class OnTheFly(Dataset):
+        def __init__(self, n, changed=None):
+            self.n, self.changed = n, changed
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            return {"x": torch.full((1, 8, 8), float(i == self.changed)), "labels": torch.tensor(i % 10)}
+
+    class Stream(IterableDataset):
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return ({"x": torch.full((1, 8, 8), float(i)), "labels": torch.tensor(i % 10)} for i in range(self.n))
+
+    assert data_identity(OnTheFly(300))[0] != data_identity(OnTheFly(300, changed=101))[0]
+    (a, how), (b, _) = data_identity(Stream(24)), data_identity(Stream(96))
+    assert a != b and how == "all its 24 items"
+    train, val, _ = digits
+    args = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False)
+    big = OnTheFly(5000)  # above ITEMS: its length and 16 items
+    run_sms(_net(), args, big, ClassificationAccuracy(), eval_dataset=val)
+    with caplog.at_level("WARNING", logger=run_directory.__name__):
+        run_sms(_net(), args, big, ClassificationAccuracy(), eval_dataset=val)
+    assert "its train data was compared with the run's by its length and 16 of its 5000 items" in caplog.text

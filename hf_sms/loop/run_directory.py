@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -25,6 +26,8 @@ from transformers.trainer_utils import has_length
 from ..checkpoint.constants import LOCK_FILE, RUN_FILE, SPARSITY_NAME, TMP_PREFIX
 from ..data import peek
 from ..results import save_results
+
+logger = logging.getLogger(__name__)
 
 # Config fields that cannot change a replica's weights or the metrics: where and how a run reports.
 _NOT_RESULTS = (
@@ -103,6 +106,12 @@ def model_hash(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+# Items a set of unknown make is read in full up to (a set that builds items on the fly, a stream): above it, the
+# length and ``samples`` items spread over a set, the first ``ITEMS`` items of a stream, and a resume says so.
+ITEMS = 4096
+PARTLY = "part of it: "  # what a resume warns about
+
+
 def data_hash(dataset, samples: int = 16) -> str | None:
     """The hash :func:`data_identity` gives (``None``: a stream nothing identifies)."""
     return data_identity(dataset, samples)[0]
@@ -110,10 +119,10 @@ def data_hash(dataset, samples: int = 16) -> str | None:
 
 def data_identity(dataset, samples: int = 16) -> tuple[str | None, str]:
     """``(hash, what it covers)`` of a data split, for run.json: every item where that is cheap (``datasets``'
-    fingerprint, in-memory tensors and lists, the indices of a subset), else the length and ``samples`` items spread
-    over the set; a stream by its source and settings (``datasets``: builder, files with their sizes, shards,
-    take/skip/shuffle) and its first ``samples`` items. Items are read under fixed seeds, so augmentation inside
-    ``__getitem__`` gives the same hash each time."""
+    fingerprint, in-memory tensors and lists, the indices of a subset, any set of at most :data:`ITEMS` items), else
+    the length and ``samples`` items spread over the set; a stream by its source and settings (``datasets``: builder,
+    files with their sizes, shards, take/skip/shuffle) and its items, all of them up to :data:`ITEMS`. Items are read
+    under fixed seeds, so augmentation inside ``__getitem__`` gives the same hash each time."""
     if dataset is None:
         return None, "none"
     if hasattr(dataset, "_fingerprint"):
@@ -136,9 +145,13 @@ def data_identity(dataset, samples: int = 16) -> tuple[str | None, str]:
         _update(h, [peek(dataset, i) for i in range(min(len(dataset), samples))])  # its transform, if any
         return h.hexdigest()[:16], f"every one of its {len(dataset)} items"
     n = len(dataset)
-    for i in sorted({round(k * (n - 1) / max(samples - 1, 1)) for k in range(samples)} if n else ()):
+    if n <= ITEMS:  # built on the fly, but few enough to read: every item
+        for i in range(n):
+            _update(h, peek(dataset, i))
+        return h.hexdigest()[:16], f"every one of its {n} items"
+    for i in sorted({round(k * (n - 1) / max(samples - 1, 1)) for k in range(samples)}):
         _update(h, peek(dataset, i))
-    return h.hexdigest()[:16], f"its length and {min(samples, n)} of its {n} items, spread over it"
+    return h.hexdigest()[:16], f"{PARTLY}its length and {samples} of its {n} items, spread over it"
 
 
 def _describe(iterable, depth: int = 0):
@@ -175,30 +188,30 @@ def lock_folder(folder: str, doing: str, option: str) -> int:
 
 
 def _stream_hash(dataset, samples: int) -> tuple[str | None, str]:
-    """A stream (``IterableDataset``): what ``datasets`` says of it and its pipeline, plus its first ``samples``
-    items, read under fixed seeds; ``None`` if nothing identifies it (it cannot be read twice, or gives nothing)."""
+    """A stream (``IterableDataset``): what ``datasets`` says of it and its pipeline, plus its items up to
+    :data:`ITEMS`, read under fixed seeds; ``None`` if nothing identifies it (it cannot be read twice, or gives
+    nothing)."""
     h = hashlib.sha256(b"stream")
-    info, how = getattr(dataset, "info", None), f"its first {samples} items"
+    info, source = getattr(dataset, "info", None), ""
     if info is not None:  # a datasets.IterableDataset: its builder, config, split and files
         _update(h, [repr(getattr(info, k, None)) for k in ("builder_name", "config_name", "version", "splits")])
         _update(h, json.dumps(_describe(getattr(dataset, "_ex_iterable", None)), default=repr))
         _update(h, repr(getattr(dataset, "n_shards", None)))
-        how = f"its source (builder, files with size and time), shards, take/skip/shuffle settings and {how}"
-    items = []
+        source = "its source (builder, files with size and time), shards, take/skip/shuffle settings and "
+    n = 0
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             for item in dataset:
-                items.append(item)
-                if len(items) == samples:
+                _update(h, item)
+                n += 1
+                if n == ITEMS:
                     break
     except Exception:  # noqa: BLE001  (any failure to re-read means: not identifiable)
         return None, "nothing (a stream that cannot be read again)"
-    if not items:
+    if not n:
         return None, "nothing (a stream that gives no item)"
-    _update(h, items)
-    if info is None:
-        how += " (a stream changed only after them resumes the old run: use a fresh --output_dir)"
+    how = f"{PARTLY}{source}its first {n} items" if n == ITEMS else f"{source}all its {n} items"
     return "stream:" + h.hexdigest()[:16], how
 
 
@@ -265,6 +278,14 @@ class RunDirectory:
                 )
             elif old != self.fingerprint:  # only fields added since, at their defaults (the old behaviour)
                 save_results(self.fingerprint, run_file)
+            partly = {name: how for name, how in (self.fingerprint.get(NOT_COMPARED) or {}).items()
+                      if str(how).startswith(PARTLY)}  # fmt: skip
+            for name, how in partly.items():
+                logger.warning(
+                    "[hf-sms] resuming %s: its %s data was compared with the run's by %s; a change elsewhere in it "
+                    "goes unseen (use a fresh --output_dir if the data changed)",
+                    self.root, name, how.removeprefix(PARTLY),
+                )  # fmt: skip
             self._remove_stale_temporaries()
             return
         if any(e.name != LOCK_FILE for e in os.scandir(self.root)):
