@@ -4,7 +4,7 @@ Each allocation is a pure function ``(tensors, scores, masks, sparsity) -> masks
 one is one function and one decorator line. ``scores`` are the criterion's (:mod:`hf_sms.pruning.criteria`;
 ``|w|`` for the default ``"magnitude"``), higher is kept; ``masks`` always exist (all-True when unpruned); each
 tensor's ``uses`` tell which layers use it in which order (see :func:`hf_sms.pruning.prunable.first_use`).
-Whole units (filters, neurons, heads) are the structures' (:mod:`hf_sms.pruning.structures`).
+Whole units (filters, neurons, heads) are the unit structures' (:mod:`hf_sms.plan.structures`).
 """
 
 from __future__ import annotations
