@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -13,9 +14,10 @@ from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
-from .checkpoint.constants import MASKS_NAME
+from .checkpoint.constants import CARD_NAME, MASKS_NAME
 from .checkpoint.families import family_of_model
 from .checkpoint.masks import load_pruning_step, save_masks
+from .checkpoint.trainer_card import merge_trainer_card
 from .config import LR_SCHEDULES, SparseSoupConfig
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
 from .pruning.masks import PruningStep, apply_masks
@@ -46,6 +48,13 @@ class _MaskCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, optimizer=None, **kwargs):
         self.trainer.masking.end(optimizer)
+
+
+def _read(path: str) -> str:
+    if not os.path.isfile(path):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
 
 
 def _shifted(lr_lambda, offset: int, step: int) -> float:
@@ -247,11 +256,38 @@ class SparseSoupTrainer(Trainer):
         super().log(logs, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
+        push, self.args.push_to_hub = self.args.push_to_hub, False  # Trainer would push before the sparse save
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self.args.push_to_hub = push
         if self.args.should_save:
-            save_masks(self.masks, output_dir or self.args.output_dir, self.pruning_step)
-            if not _internal_call:  # the final save: small, and from_pretrained loads it once hf_sms is imported
-                save_sparse(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class)
+            folder = output_dir or self.args.output_dir
+            save_masks(self.masks, folder, self.pruning_step)
+            if not _internal_call or self._pushing:  # the final save: from_pretrained loads it after import hf_sms
+                card = _read(os.path.join(folder, CARD_NAME))  # one create_model_card wrote before, if any
+                save_sparse(self.model, folder, processing_class=self.processing_class)
+                merge_trainer_card(folder, card)
+        if push and not _internal_call:  # what Trainer.save_model does, once the folder is the soup's
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    _pushing = False
+
+    def push_to_hub(self, *args, **kwargs):
+        """transformers' push, of the folder with the soup saved as hf-sms saves it (its save before the upload is
+        a final one: a checkpoint's dense weights would overwrite the sparse ones)."""
+        self._pushing = True
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        finally:
+            self._pushing = False
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """transformers' card of the run, under hf-sms's card (which says first whether loading needs hf-sms)
+        where the output folder holds a saved soup; ``push_to_hub`` uploads that."""
+        super().create_model_card(*args, **kwargs)
+        if self.is_world_process_zero():
+            merge_trainer_card(self.args.output_dir, _read(os.path.join(self.args.output_dir, CARD_NAME)))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         if resume_from_checkpoint is True:

@@ -241,7 +241,8 @@ def fake_hub(repo_id: str = "me/r"):
 
     create = mock.patch("huggingface_hub.HfApi.create_repo", return_value=SimpleNamespace(repo_id=repo_id))
     with create as sent["create"], mock.patch("huggingface_hub.HfApi.create_commit", commit):
-        yield sent
+        with mock.patch("huggingface_hub.HfApi._validate_yaml", create=True):  # a card's YAML checked online
+            yield sent
 
 
 def copy_task_rows(n: int = 40) -> list[dict]:

@@ -334,3 +334,59 @@ def test_resume_keeps_the_allr_start_rate(make_args, image_dataset, out_dir):
     assert resumed.lrs == pytest.approx(first.lrs[3:])
     assert trainer.pruning_step.norm_fraction == pytest.approx(step.norm_fraction)
     assert trainer.pruning_step.phase_fraction == pytest.approx(step.phase_fraction)
+
+
+def test_the_card_survives_the_trainers_own_card_and_save_order(tmp_path, t5_dataset):
+    """Issue 30: transformers' create_model_card overwrote hf-sms's card, so a folder in the sparse format said
+    nothing of needing hf-sms. Now the folder holds hf-sms's card first, with the Trainer's part under it, whatever
+    the order of save_model and create_model_card, and once however often they run."""
+    from hf_sms.checkpoint.card import CARD_MARK
+    from hf_sms.checkpoint.trainer_card import HEADING
+
+    args = training_args(str(tmp_path), max_steps=2)
+    trainer = SparseSoupTrainer(make_t5(), args, train_dataset=t5_dataset)
+    trainer.train()
+    trainer.create_model_card(model_name="tiny")  # before the soup is saved: the Trainer's card alone
+    trainer.save_model()
+    for _ in range(2):
+        trainer.create_model_card(model_name="tiny")
+        trainer.save_model()
+    card = (tmp_path / "README.md").read_text()
+    assert card.index(CARD_MARK) < card.index("Loading needs hf-sms") < card.index(HEADING)
+    assert card.count(HEADING) == 1 and "generated automatically" in card.split(HEADING)[1]
+
+
+def test_the_trainers_push_to_hub_uploads_hf_sms_card_first(tmp_path, t5_dataset):
+    """save_model with push_to_hub pushed transformers' folder before hf-sms saved the soup into it; now the folder
+    uploaded holds the sparse soup with hf-sms's card first."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from hf_sms import load_sparse
+    from hf_sms.checkpoint.card import CARD_MARK
+
+    uploaded = []
+
+    def upload_folder(self, folder_path, **kwargs):  # what the Hub would get: the folder as it is now
+        uploaded.append({f: open(os.path.join(folder_path, f), "rb").read() for f in os.listdir(folder_path)
+                         if os.path.isfile(os.path.join(folder_path, f))})  # fmt: skip
+        return SimpleNamespace(commit_url="https://huggingface.co/me/r/commit/abc", oid="abc")
+
+    args = training_args(str(tmp_path), max_steps=2, push_to_hub=True, hub_model_id="me/r", hub_token="hf_x")
+    with (
+        mock.patch("huggingface_hub.HfApi.create_repo", return_value=SimpleNamespace(repo_id="me/r")),
+        mock.patch("huggingface_hub.HfApi.upload_folder", upload_folder),
+    ):
+        trainer = SparseSoupTrainer(make_t5(), args, train_dataset=t5_dataset)
+        trainer.train()
+        trainer.save_model()
+        trainer.push_to_hub()
+    for files in uploaded[-2:]:  # save_model's push and push_to_hub's
+        card = files["README.md"].decode()
+        assert card.index(CARD_MARK) < card.index("Loading needs hf-sms"), card[:300]
+        assert "sparsity.json" in files
+    from hf_sms.checkpoint.reader import SparseCheckpoint
+
+    assert SparseCheckpoint(str(tmp_path)).format == "bitmask"  # not the Trainer's dense weights under the card
+    loaded = load_sparse(str(tmp_path))  # the folder uploaded last: consistent, sparse weights and all
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trainer.model.state_dict().values()))
