@@ -269,6 +269,15 @@ class SparseSoupConfig(TrainingArguments):
                 "replica_epochs varies the retraining length in epochs, but max_steps > 0 fixes it in steps; "
                 "set max_steps=-1 (the default) or drop replica_epochs"
             )
+        if self.bn_recalibration_batches is not None and (
+            isinstance(self.bn_recalibration_batches, bool)
+            or not isinstance(self.bn_recalibration_batches, int)
+            or self.bn_recalibration_batches < 1
+        ):
+            raise ValueError(
+                f"bn_recalibration_batches={self.bn_recalibration_batches!r} must be a positive number of batches "
+                "(None: the whole training set); recalibrate_bn=False skips the recalibration"
+            )
         if self.resume not in ("auto", "force"):
             raise ValueError(f"resume={self.resume!r} is unknown; choose 'auto' or 'force'")
         if self.lr_schedule not in LR_SCHEDULES:

@@ -261,6 +261,7 @@ def test_masks_for_another_model_are_explained(make_args, image_dataset):
         (dict(baselines=["imp", "lth"]), r"baselines='lth': unknown baseline 'lth'; choose one of"),
         (dict(validation_fraction=1.0), r"validation_fraction must be in \(0, 1\)"),
         (dict(retrain_schedule="allr"), "set pretrain_epochs"),
+        (dict(bn_recalibration_batches=0), "bn_recalibration_batches=0 must be a positive number of batches"),
     ],
 )
 def test_bad_config_is_explained(overrides, fragment, out_dir):
