@@ -67,8 +67,8 @@ class PhaseSpec:
 @dataclass
 class PhaseResult:
     """What a phase gave: the soup (``None`` without one), this process's candidates, every candidate's
-    validation score, the candidates the soup kept, the pruning step(s) (``{i: step}`` per replica) and the
-    phase's wall-clock seconds."""
+    validation score, the candidates the soup kept, the pruning step(s) (``{i: step}`` per replica), the phase's
+    wall-clock seconds and the process group of each replica (``None``: round robin)."""
 
     soup: nn.Module | None
     candidates: dict[int, nn.Module]
@@ -76,6 +76,7 @@ class PhaseResult:
     kept: list[int]
     step: PruningStep | dict[int, PruningStep]
     seconds: float = 0.0
+    owners: list[int] | None = None
 
     @property
     def masks(self):

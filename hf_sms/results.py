@@ -159,3 +159,52 @@ def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, y
     fig.savefig(path + ".tmp.png", dpi=120)
     plt.close(fig)
     os.replace(path + ".tmp.png", path)
+
+
+def timeline(run: dict) -> list[dict]:
+    """Per process of a run (its results.json ``world``): jobs trained, seconds training, seconds waiting for other
+    groups, the rest (pruning, soups and evaluations, which the processes share) and the idle fraction."""
+    world = run.get("world") or {}
+    seconds, jobs = world.get("seconds"), world.get("jobs", [])
+    if not seconds:
+        raise ValueError("this results.json records no schedule: it comes from a run that did not finish, or from "
+                         "hf-sms before 0.9; rerun (finished jobs are loaded, not retrained)")  # fmt: skip
+    out = []
+    for rank in range(world.get("processes", 1)):
+        mine = [j for j in jobs if j["rank"] == rank]
+        train = sum(j["end"] - j["start"] for j in mine if j["kind"] == "train")
+        wait = sum(j["end"] - j["start"] for j in mine if j["kind"] == "wait")
+        group = next((j["group"] for j in mine), None)
+        shared = max(seconds - train - wait, 0.0)
+        out.append({"rank": rank, "group": group, "jobs": sum(j["kind"] == "train" for j in mine),
+                    "train_s": round(train, 2), "wait_s": round(wait, 2), "shared_s": round(shared, 2),
+                    "idle": round(wait / seconds, 4)})  # fmt: skip
+    return out
+
+
+def plot_timeline(run: dict, path: str) -> None:
+    """PNG of the run's schedule: one lane per process, its training jobs (one colour per track) and its waits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    world = run["world"]
+    tracks = sorted({j["job"].split("/")[0] for j in world["jobs"] if j["kind"] == "train"})
+    colours = {t: plt.get_cmap("tab10")(k % 10) for k, t in enumerate(tracks)}
+    fig, ax = plt.subplots(figsize=(10, 0.6 * world["processes"] + 1.5))
+    for j in world["jobs"]:
+        colour = colours[j["job"].split("/")[0]] if j["kind"] == "train" else "lightgray"
+        ax.broken_barh([(j["start"], j["end"] - j["start"])], (j["rank"] - 0.4, 0.8), color=colour, edgecolor="white")
+    handles = [Patch(color=c, label=t) for t, c in colours.items()]
+    handles.append(Patch(color="lightgray", label="waiting for other groups"))
+    ax.set_yticks(range(world["processes"]), [f"rank {r}" for r in range(world["processes"])])
+    ax.set_xlim(0, world["seconds"])
+    ax.set_xlabel("seconds since the run began (white: shared pruning, soups, evaluation)")
+    ax.invert_yaxis()
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)

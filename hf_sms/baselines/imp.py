@@ -1,7 +1,8 @@
 """The IMP baselines reported beside SMS (docs/method.md §6): IMP, IMP_mx and IMP-RePrune, each a registration in
-:data:`hf_sms.registry.BASELINES` that runs ``fn(ctx)`` (the loop) and records its rows. All three are IMP tracks
-through the loop's phase step: m = 1 per track, each track with its own random stream and its own mask, tracks in
-parallel like replicas."""
+:data:`hf_sms.registry.BASELINES` whose ``fn(ctx)`` (the loop) returns a track, a generator of phases that records
+its rows (or ``None``: nothing to run). All three are IMP tracks through the loop's phase step: m = 1 per track,
+each track with its own random stream and its own mask; on several process groups they train beside the SMS
+replicas (hf_sms.loop.rounds)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from ..registry import BASELINES
 from ..seeding import derive_seed
 
 
-def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False) -> None:
+def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False):
     """IMP (m=1) tracks in lockstep; with several tracks also IMP-RePrune: their average, re-pruned to the phase's
-    sparsity (their masks diverge)."""
+    sparsity (their masks diverge). A track of the loop (:mod:`hf_sms.loop.rounds`): it yields each phase."""
     args, world = ctx.args, ctx.world
-    tracks = {i: copy.deepcopy(ctx.pretrained) for i in world.owned(n_tracks)}
+    template = ctx.pretrained.state_dict()
+    tracks = {i: copy.deepcopy(ctx.pretrained) for i in range(n_tracks)}
     masks: dict = {}
     for p, sparsity in enumerate(ctx.phases):
         hparams = []
@@ -26,14 +28,21 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False) -> None:
             hparams.append(dataclasses.replace(h, **args.phase_budget(p)) if times_m else h)  # IMP_mx: SMS's compute
         reprune = "reprune" if n_tracks > 1 else None  # the tracks' average, re-pruned to the phase's sparsity
         spec = PhaseSpec(sparsity, tracks, masks, hparams, phase_folder(name, p), soup=reprune, member="track")
-        result = ctx.run_phase(spec)  # no mask broadcast: IMP runs are independent
-        tracks, masks = result.candidates, result.masks
-        # track 0 on every process, which share its test sets (its owner scored validation already)
-        first = tracks[0] if world.size == 1 else copy.deepcopy(ctx.pretrained)
-        if world.size > 1:
-            local = {i: t.state_dict() for i, t in tracks.items()}
-            first.load_state_dict(world.from_owner(local, 0, ctx.pretrained.state_dict()))
-        ctx.recorder.row(name, p, ctx.recorder.measure(first, val=result.val[0], shared=True))
+        result = yield spec  # no mask broadcast: IMP runs are independent
+        # every track and its mask on every process: the next phase may train it on another group
+        local = {i: t.state_dict() for i, t in result.candidates.items()}
+        local_masks = {i: {k: m.cpu() for k, m in ms.items()} for i, ms in result.masks.items()}
+        for i in range(n_tracks):
+            if i not in result.candidates:
+                tracks[i] = copy.deepcopy(ctx.pretrained)
+                tracks[i].load_state_dict(world.from_owner(local, i, template))
+            else:
+                tracks[i] = result.candidates[i]
+                world.from_owner(local, i, template)  # the owner sends
+            sent = world.object_from_owner(local_masks, i)
+            masks[i] = result.masks[i] if i in result.candidates else sent
+        # track 0's rows: every process holds it and shares its test sets (its owner scored validation already)
+        ctx.recorder.row(name, p, ctx.recorder.measure(tracks[0], val=result.val[0], shared=True))
         if result.soup is not None:
             ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(result.soup, shared=True))
 
@@ -46,19 +55,20 @@ def _needs_two(config) -> None:
 
 
 @BASELINES.register("imp")
-def imp(ctx) -> None:
+def imp(ctx):
     """IMP: m = 1, the same retraining per phase as one replica."""
     if "imp_reprune" not in ctx.args.baselines:  # IMP-RePrune's first track is this IMP run
-        run_imp(ctx, "imp", n_tracks=1)
+        return run_imp(ctx, "imp", n_tracks=1)
+    return None
 
 
 @BASELINES.register("imp_mx")
-def imp_mx(ctx) -> None:
+def imp_mx(ctx):
     """IMP_mx: m = 1, retrained with the compute SMS spends per phase (the sum over its replicas)."""
-    run_imp(ctx, "imp_mx", n_tracks=1, times_m=True)
+    return run_imp(ctx, "imp_mx", n_tracks=1, times_m=True)
 
 
 @BASELINES.register("imp_reprune", check=_needs_two)
-def imp_reprune(ctx) -> None:
+def imp_reprune(ctx):
     """IMP-RePrune: m independent IMP runs (their masks diverge), averaged and re-pruned after each phase."""
-    run_imp(ctx, "imp", n_tracks=ctx.args.num_replicas)
+    return run_imp(ctx, "imp", n_tracks=ctx.args.num_replicas)

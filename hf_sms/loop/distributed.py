@@ -14,7 +14,9 @@ world of size 1 that trains every replica in turn: the same code path, no torch.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
+import datetime
 import functools
 import logging
 import os
@@ -78,6 +80,8 @@ class ReplicaWorld:
         self.size = launched_world_size()
         self.rank, self.group_size, self.group_rank, self.subgroup = 0, 1, 0, None
         self.device = torch.device("cpu")
+        self.assignment: list[int] | None = None  # the group of each replica of the phase being run (assigned())
+        self._waiting = None
         if self.size == 1:
             self.n_groups, self.group_index = 1, 0
             return
@@ -101,6 +105,9 @@ class ReplicaWorld:
         if k > 1:  # every rank must create every group, in the same order
             groups = [dist.new_group(list(range(g * k, (g + 1) * k))) for g in range(self.n_groups)]
             self.subgroup = groups[self.group_index]
+        # A group that finished its jobs waits here for the others, which may train for hours: a barrier on a gloo
+        # group with no practical timeout (the backend's own, 10-30 min, would end the run).
+        self._waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
         self._hide_launcher_env(use_cuda, local_rank)
 
     @staticmethod
@@ -129,13 +136,34 @@ class ReplicaWorld:
         """The process that writes its group's replica checkpoints and contributes them to merges."""
         return self.group_rank == 0
 
+    def owner_group(self, i: int) -> int:
+        """The group that trains replica ``i``: as :meth:`assigned` says, else round robin."""
+        return self.assignment[i] if self.assignment is not None else i % self.n_groups
+
     def owned(self, n: int) -> list[int]:
         """Indices of the ``n`` replicas this process's group trains."""
-        return [i for i in range(n) if i % self.n_groups == self.group_index]
+        return [i for i in range(n) if self.owner_group(i) == self.group_index]
+
+    @contextlib.contextmanager
+    def assigned(self, groups: list[int] | None):
+        """Replica ``i`` belongs to group ``groups[i]`` inside this block (the schedule's choice for one phase)."""
+        before, self.assignment = self.assignment, groups
+        try:
+            yield self
+        finally:
+            self.assignment = before
+
+    def _owner_rank(self, i: int) -> int:
+        return self.owner_group(i) * self.group_size  # the owner group's main rank
 
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
+
+    def wait(self) -> None:
+        """Wait, however long, until every process gets here (groups that finished their jobs wait for the rest)."""
+        if self.size > 1:
+            dist.barrier(group=self._waiting)
 
     @functools.cached_property
     def group(self) -> GroupWorld:
@@ -243,7 +271,7 @@ class ReplicaWorld:
         """Replica ``i``'s state dict on every process, sent by its owner (``local`` holds it there)."""
         if self.size == 1:
             return local[i]
-        owner = (i % self.n_groups) * self.group_size  # the owner group's main rank
+        owner = self._owner_rank(i)
         state = {}
         for k, like in template.items():
             t = local[i][k] if self.rank == owner else torch.empty_like(like)
@@ -252,6 +280,14 @@ class ReplicaWorld:
             dist.broadcast(t, src=owner)
             state[k] = t.to(like.device, like.dtype)
         return state
+
+    def object_from_owner(self, local: dict[int, object], i: int):
+        """Replica ``i``'s picklable ``local[i]`` (e.g. its pruning step) on every process, sent by its owner."""
+        if self.size == 1:
+            return local[i]
+        box = [local.get(i) if self.rank == self._owner_rank(i) else None]
+        dist.broadcast_object_list(box, src=self._owner_rank(i))
+        return box[0]
 
     @torch.no_grad()
     def sum_tensors(self, local: dict[int, torch.Tensor], shape, dtype=torch.float64) -> torch.Tensor:
@@ -280,7 +316,7 @@ class ReplicaWorld:
     def _from_owner(self, tensor: torch.Tensor | None, replica: int, numel: int) -> torch.Tensor:
         if self.size == 1:
             return tensor
-        owner = (replica % self.n_groups) * self.group_size  # the owner group's main rank
+        owner = self._owner_rank(replica)
         buf = (
             tensor.to(self.device)
             if self.rank == owner

@@ -149,9 +149,18 @@ class Recorder:
             "eval_seconds": round(self.eval_seconds, 3),  # the soup's validation and test sets
         }
         self.results["sms"].append(diag)
+        # in trajectory order, then phase: trajectories that run side by side record the same list as in turn
+        order = {t: k for k, t in enumerate(dict.fromkeys(d["trajectory"] for d in self.results["sms"]))}
+        self.results["sms"].sort(key=lambda d: (order[d["trajectory"]], d["phase"]))
         if self.world.is_main and primary:
             log_diversity(diag)
         self.save()
+
+    def jobs(self, records: list[dict]) -> None:
+        """Every process's records of a round (its training jobs, its wait for the other groups): results.json's
+        ``world.jobs``, what ``hf-sms timeline`` draws. Every process calls it."""
+        gathered = [r for part in self.world.all_gather(records) for r in part]
+        self.results.setdefault("world", {}).setdefault("jobs", []).extend(gathered)
 
     def final_row(self, merge_method: str, pruning_method: str) -> str:
         """The row of the final soup: the SMS trajectory of ``merge_method``, else the pruning method's own."""

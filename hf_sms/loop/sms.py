@@ -28,12 +28,12 @@ from ..phase import PhaseResult, PhaseSpec, phase_folder
 from ..pruning.masks import PruningStep, phase_sparsities
 from ..registry import BASELINES, PRUNING_METHODS
 from ..seeding import derive_seed
-from ..soup.soup import soup
 from ..trainer import SparseSoupTrainer
 from .checks import check_inputs, check_model, check_world
 from .distributed import ReplicaWorld
 from .final_soup import save_final_soup
 from .recorder import Recorder
+from .rounds import drive, run_round
 from .run_directory import RunDirectory, run_fingerprint
 
 logger = logging.getLogger("hf_sms")
@@ -120,7 +120,7 @@ class SparseModelSoup:
         self.run_dir = RunDirectory(
             args.output_dir, fingerprint, is_main=self.world.is_main, defaults=defaults, force=args.resume == "force"
         )
-        plan = args.plan
+        plan, self.started = args.plan, time.time()
         self.recorder = Recorder(
             self.results,
             self.world,
@@ -151,18 +151,21 @@ class SparseModelSoup:
             logger.warning("[hf-sms] note: %s", note)  # what the card says of the starting model, said now too
         try:
             self.world.barrier()  # every rank waits until the main process has checked the directory
+            self.started = time.time()
+            self.results["world"] = {"processes": self.world.size, "groups": self.world.n_groups, "jobs": []}
             self.results["dense"] = self.recorder.measure(self.pretrained, shared=True)  # the paper's "unpruned"
             if a.pruning_method != "imp":  # pruning during training: GMP, DPF, BIMP, each +SMS
                 self.final_soup = PRUNING_METHODS.get(a.pruning_method)(self)
-            else:
-                soups = {method: self.run_trajectory(method) for method in a.merge_methods}
-                self.final_soup = soups[a.merge_methods[0]]
+            else:  # every trajectory and baseline is a track; tracks run beside each other on several groups
+                tracks = {f"sms_{method}": self.trajectory(method) for method in a.merge_methods}
+                tracks.update({name: BASELINES.get(name)(self) for name in a.baselines})
+                done = drive(self, {name: track for name, track in tracks.items() if track is not None})
+                self.final_soup = done[f"sms_{a.merge_methods[0]}"]
             self.results["final_row"] = self.recorder.final_row(a.merge_methods[0], a.pruning_method)
-            for name in a.baselines:
-                BASELINES.get(name)(self)
             if self.world.is_main and a.measure_speedup:  # the final row's model is the final soup, timed there
                 final = self.results["rows"][self.results["final_row"]][-1].get("measured_speedup")
                 self.results["measured_speedup"] = final or self.recorder.speed(self.final_soup)
+            self.results["world"]["seconds"] = round(self.clock(), 3)
             self.recorder.save()
             if self.world.is_main:
                 soup_dir = self.run_dir.path(FINAL_SOUP)
@@ -183,68 +186,32 @@ class SparseModelSoup:
             self.run_dir.close()
         return self.final_soup
 
-    def run_trajectory(self, method: str) -> nn.Module:
-        """Algorithm 1 with ``method`` as Merge: every phase starts from the previous phase's ``method`` soup."""
+    def trajectory(self, method: str):
+        """Algorithm 1 with ``method`` as Merge: every phase starts from the previous phase's ``method`` soup. A
+        track (:mod:`hf_sms.loop.rounds`): it yields each phase and receives what the phase gave."""
         a = self.args
         model, masks = copy.deepcopy(self.pretrained), None
         for p, sparsity in enumerate(self.phases):
             # Phase 1 starts from the same pruned model in every trajectory: its replicas are trained once.
             folder = phase_folder("sms" if p == 0 or method == a.merge_methods[0] else f"sms-{method}", p)
             hparams = [dataclasses.replace(a, **h) for h in a.replica_overrides(p)]
-            spec = PhaseSpec(sparsity, model, masks, hparams, folder, soup=method)
-            result = self.run_phase(spec)
+            result = yield PhaseSpec(sparsity, model, masks, hparams, folder, soup=method)
             model, masks = result.soup, result.masks
             self.recorder.sms(method, p, sparsity, result, primary=method == a.merge_methods[0])
         return model
 
     def run_phase(self, spec: PhaseSpec) -> PhaseResult:
-        """One phase (:mod:`hf_sms.phase`): prune (Step 1), retrain this process's replicas (Step 2), score
-        them on validation, soup them (Step 3)."""
-        start, world = time.perf_counter(), self.world
-        plan, example = self.args.plan, self.example
-        owned = world.owned(len(spec.hparams))
-        if spec.shared:  # one mask for every replica, broadcast from rank 0
-            step = (
-                plan.prune(spec.start, spec.sparsity, spec.masks, example, sync=world.broadcast_masks)
-                if spec.prune
-                else PruningStep.measure(spec.start, spec.masks or {})
-            )
-            starts, steps = dict.fromkeys(owned, spec.start), dict.fromkeys(owned, step)
-        else:  # independent tracks: each prunes its own model, no broadcast
-            masks = spec.masks or {}
-            steps = {i: plan.prune(spec.start[i], spec.sparsity, masks.get(i), example) for i in owned}
-            starts, step = spec.start, steps
-        candidates = {
-            i: self.recalibrate(
-                self.train_replica(
-                    starts[i],
-                    steps[i],
-                    spec.hparams[i],
-                    spec.replica_folder(i),
-                    check_mask=spec.exact_masks,
-                    **spec.trainer_kwargs(i),
-                ),
-                world.group,  # the processes holding replica i
-            )  # fmt: skip
-            for i in owned
-        }
-        val = self.gather_metric(candidates, self.eval_dataset)
-        result, kept = None, []
-        if spec.soup is not None:
-            result, weights = soup(
-                candidates,
-                spec.soup,
-                template=spec.start if spec.shared else self.pretrained,
-                world=world,
-                scores=val,
-                evaluate=lambda m: self.recorder.evaluate(m, self.eval_dataset, shared=True),
-                recalibrate=self.recalibrate,
-                config=self.args,
-                sparsity=spec.sparsity,
-                reprune=lambda model, sparsity: plan.masks(model, sparsity, example_inputs=example),
-            )
-            kept = [i for i, w in enumerate(weights) if w]
-        return PhaseResult(result, candidates, val, kept, step, time.perf_counter() - start)
+        """One phase (:mod:`hf_sms.phase`): prune (Step 1), retrain the replicas (Step 2), score them on validation,
+        soup them (Step 3)."""
+        return self.run_round([spec])[0]
+
+    def run_round(self, specs: list[PhaseSpec]) -> list[PhaseResult]:
+        """Phases of several tracks at once, their jobs spread over the process groups (:mod:`hf_sms.loop.rounds`)."""
+        return run_round(self, specs)
+
+    def clock(self) -> float:
+        """Seconds since the run began (every process starts counting at the same barrier)."""
+        return time.time() - self.started
 
     def nested(self, args: SparseSoupConfig, model: nn.Module) -> SparseModelSoup:
         """A loop over the same data and metrics with other settings (BIMP's cycles)."""

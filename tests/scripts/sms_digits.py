@@ -23,6 +23,7 @@ parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--baselines", nargs="*", default=[])
 parser.add_argument("--per-phase", type=int, nargs="*", default=None, help="m of each phase")
 parser.add_argument("--pruning-method", default="imp", help="imp, or gmp/dpf (then --steps is the whole budget)")
+parser.add_argument("--merge-methods", nargs="*", default=None, help="soup methods (default: greedy; DPF: uniform)")
 parser.add_argument("--eval-copies", type=int, default=1, help="validation and test sets repeated (benchmarks)")
 cli = parser.parse_args()
 
@@ -49,7 +50,7 @@ args = SparseSoupConfig(
     baselines=cli.baselines,
     pruning_method=cli.pruning_method,
     pruning_steps=2,
-    merge_methods=["uniform"] if cli.pruning_method == "dpf" else ["greedy"],  # DPF's soup is the re-pruned mean
+    merge_methods=cli.merge_methods or (["uniform"] if cli.pruning_method == "dpf" else ["greedy"]),  # DPF: the mean
     replicas_per_phase=cli.per_phase,
 )
 noisy = TensorDictDataset(

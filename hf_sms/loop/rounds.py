@@ -1,0 +1,153 @@
+"""Phases run together: the training jobs of one or more phases placed on the process groups at once, then each
+phase scored and souped (Algorithm 1's body, docs/method.md §1; docs/parallel.md).
+
+A *track* is a generator that yields its next :class:`~hf_sms.phase.PhaseSpec` and receives its
+:class:`~hf_sms.phase.PhaseResult`: an SMS trajectory (one per soup method), an IMP baseline. :func:`drive` runs a
+run's tracks. On one process group each track runs to its end in turn (Algorithm 1, then each baseline, as on one
+process). On several, the next phase of every track forms a round (:func:`run_round`): its jobs, one per replica or
+IMP track, go to the groups longest first (:func:`hf_sms.loop.schedule.assign`), a group that is done waits for
+the others, and then every phase is scored and souped by all processes together, in track order. A job writes its
+own checkpoint folder and depends only on its phase's start, so any placement trains the same models, and a killed
+run resumes whatever jobs had finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from ..checkpoint.constants import SPARSITY_NAME
+from ..phase import PhaseResult, PhaseSpec
+from ..pruning.masks import PruningStep
+from ..soup.soup import soup
+from .schedule import assign, job_steps
+
+logger = logging.getLogger("hf_sms")
+
+
+def drive(ctx, tracks: dict) -> dict:
+    """Run every track to its end; ``{name: what the track returned}``."""
+    if ctx.world.n_groups == 1:  # nothing to run beside: each track in turn, each phase on its own
+        return {name: _drive(ctx, {name: track})[name] for name, track in tracks.items()}
+    return _drive(ctx, tracks)
+
+
+def _drive(ctx, tracks: dict) -> dict:
+    done, pending = {}, {}
+    for name, track in tracks.items():
+        _advance(name, track, None, pending, done)
+    while pending:
+        names = list(pending)
+        specs = [pending[name] for name in names]
+        results = [ctx.run_phase(specs[0])] if len(specs) == 1 else ctx.run_round(specs)
+        for name, result in zip(names, results):
+            with ctx.world.assigned(result.owners):  # the track records its phase where the replicas were
+                _advance(name, tracks[name], result, pending, done)
+    return done
+
+
+def _advance(name, track, result, pending: dict, done: dict) -> None:
+    try:
+        pending[name] = track.send(result)  # send(None) starts the track
+    except StopIteration as stop:
+        pending.pop(name, None)
+        done[name] = stop.value
+
+
+def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
+    """Prune every phase (Step 1), train every job on its group (Step 2), then score and soup each phase (Step 3).
+
+    A replica folder two phases share (every trajectory's first phase) is one job, trained once. A phase's
+    ``seconds`` is the round's pruning and training plus its own scoring and soup.
+    """
+    start, world = time.perf_counter(), ctx.world
+    jobs: dict[str, tuple[int, int]] = {}  # replica folder -> (phase, replica): the round's jobs
+    for s, spec in enumerate(specs):
+        for i in range(len(spec.hparams)):
+            jobs.setdefault(spec.replica_folder(i), (s, i))
+    n_train = _length(ctx.train_dataset)
+    costs = {folder: job_steps(specs[s].hparams[i], n_train) for folder, (s, i) in jobs.items()}
+    placed = dict(zip(jobs, assign(list(costs.values()), world.n_groups)))
+    owners = [[placed[spec.replica_folder(i)] for i in range(len(spec.hparams))] for spec in specs]
+    pruned = []
+    for spec, groups in zip(specs, owners):  # in phase order on every process: mask broadcasts pair up
+        with world.assigned(groups):
+            pruned.append(_prune(ctx, spec))
+    trained, records = {}, []
+    for folder in sorted((f for f in jobs if placed[f] == world.group_index), key=lambda f: -costs[f]):
+        s, i = jobs[folder]
+        spec, (starts, steps, _) = specs[s], pruned[s]
+        resumed = os.path.isfile(os.path.join(ctx.run_dir.path(folder), SPARSITY_NAME))
+        if world.is_group_main and world.n_groups > 1:
+            logger.info("[hf-sms] group %d starts %s (%g steps)", world.group_index, folder, costs[folder])
+        t0 = ctx.clock()
+        model = ctx.train_replica(
+            starts[i], steps[i], spec.hparams[i], folder, check_mask=spec.exact_masks, **spec.trainer_kwargs(i)
+        )
+        trained[folder] = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
+        records.append(_record("train", t0, ctx, job=folder, steps=costs[folder], resumed=resumed))
+    t0 = ctx.clock()
+    world.wait()  # a group that is done waits for the others, however long they train
+    records.append(_record("wait", t0, ctx))
+    ctx.recorder.jobs(records)
+    trained_s, results = time.perf_counter() - start, []
+    for s, spec in enumerate(specs):
+        t0 = time.perf_counter()
+        with world.assigned(owners[s]):
+            candidates = {i: trained[spec.replica_folder(i)] for i in world.owned(len(spec.hparams))}
+            result = _soup(ctx, spec, pruned[s][2], candidates)
+        result.owners, result.seconds = owners[s], trained_s + time.perf_counter() - t0
+        results.append(result)
+    return results
+
+
+def _prune(ctx, spec: PhaseSpec) -> tuple[dict, dict, PruningStep | dict]:
+    """``({replica: start}, {replica: pruning step}, the phase's step)`` for this process's replicas of ``spec``;
+    the phase's step is ``{replica: step}`` for independent tracks."""
+    plan, example, owned = ctx.args.plan, ctx.example, ctx.world.owned(len(spec.hparams))
+    if spec.shared:  # one mask for every replica, broadcast from rank 0
+        step = (
+            plan.prune(spec.start, spec.sparsity, spec.masks, example, sync=ctx.world.broadcast_masks)
+            if spec.prune
+            else PruningStep.measure(spec.start, spec.masks or {})
+        )
+        return dict.fromkeys(owned, spec.start), dict.fromkeys(owned, step), step
+    masks = spec.masks or {}  # independent tracks: each prunes its own model, no broadcast
+    steps = {i: plan.prune(spec.start[i], spec.sparsity, masks.get(i), example) for i in owned}
+    return spec.start, steps, steps
+
+
+def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
+    """Score the candidates on validation and merge them (Step 3)."""
+    plan, example, world = ctx.args.plan, ctx.example, ctx.world
+    val = ctx.gather_metric(candidates, ctx.eval_dataset)
+    result, kept = None, []
+    if spec.soup is not None:
+        result, weights = soup(
+            candidates,
+            spec.soup,
+            template=spec.start if spec.shared else ctx.pretrained,
+            world=world,
+            scores=val,
+            evaluate=lambda m: ctx.recorder.evaluate(m, ctx.eval_dataset, shared=True),
+            recalibrate=ctx.recalibrate,
+            config=ctx.args,
+            sparsity=spec.sparsity,
+            reprune=lambda model, sparsity: plan.masks(model, sparsity, example_inputs=example),
+        )
+        kept = [i for i, w in enumerate(weights) if w]
+    return PhaseResult(result, candidates, val, kept, step)
+
+
+def _record(kind: str, t0: float, ctx, **extra) -> dict:
+    w = ctx.world
+    return {"kind": kind, "rank": w.rank, "group": w.group_index, "start": round(t0, 3), "end": round(ctx.clock(), 3),
+            **extra}  # fmt: skip
+
+
+def _length(dataset) -> int:
+    try:
+        return len(dataset)
+    except TypeError:  # a stream: its jobs are sized by max_steps, which a stream requires
+        return 1
