@@ -190,6 +190,14 @@ class SparseSoupConfig(TrainingArguments):
     baselines: list[str] = field(
         default_factory=list, metadata={"help": "Baselines run beside SMS: any of imp, imp_mx, imp_reprune."}
     )
+    share_idle_groups: bool = field(
+        default=False,
+        metadata={
+            "help": "On several process groups: where a phase's last job would leave groups idle, train it "
+            "data-parallel over every group free at that moment (same global batch). Faster; its BatchNorm statistics "
+            "and dropout masks then differ from a one-process run's (docs/parallel.md)."
+        },
+    )
     resume: str = field(
         default="auto",
         metadata={

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import TOP1_METRIC_SCRIPT, untimed
@@ -115,7 +116,12 @@ def _kill_when(cmd, marker: Path, timeout=240) -> None:
     deadline = time.time() + timeout
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker, mid-run
+    # the launcher and every worker, mid-run (torchrun starts its workers in sessions of their own)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for worker in workers:
+        worker.kill()
+    psutil.wait_procs(workers, timeout=30)
     proc.wait()
     assert marker.exists(), "the run ended or timed out before the kill point"
     assert not (marker.parent.parent.parent.parent / "soup.safetensors").exists(), "killed too late"

@@ -81,7 +81,7 @@ class ReplicaWorld:
         self.rank, self.group_size, self.group_rank, self.subgroup = 0, 1, 0, None
         self.device = torch.device("cpu")
         self.assignment: list[int] | None = None  # the group of each replica of the phase being run (assigned())
-        self._waiting = None
+        self._waiting, self._joined = None, {}
         if self.size == 1:
             self.n_groups, self.group_index = 1, 0
             return
@@ -152,6 +152,36 @@ class ReplicaWorld:
             yield self
         finally:
             self.assignment = before
+
+    def join(self, groups: list[list[int]]) -> None:
+        """Make the process groups that train a job over several groups (every process calls this alike)."""
+        for ranks in sorted({self._ranks(g) for g in groups if len(g) > 1}):
+            if ranks not in self._joined:  # one for training, one to wait on (however long) before it starts
+                waiting = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(days=30))
+                self._joined[ranks] = (dist.new_group(list(ranks)), waiting)
+
+    def _ranks(self, groups: list[int]) -> tuple[int, ...]:
+        return tuple(r for g in sorted(groups) for r in range(g * self.group_size, (g + 1) * self.group_size))
+
+    @contextlib.contextmanager
+    def joined(self, groups: list[int]):
+        """Inside this block the processes of ``groups`` are one group: a job trained data-parallel over them
+        (:meth:`join` made it). The block starts when all of them are here."""
+        if len(groups) == 1:
+            yield self
+            return
+        ranks = self._ranks(groups)
+        subgroup, waiting = self._joined[ranks]
+        dist.barrier(group=waiting)
+        before = (self.group_size, self.group_rank, self.subgroup, self.__dict__.pop("group", None))
+        self.group_size, self.group_rank, self.subgroup = len(ranks), ranks.index(self.rank), subgroup
+        try:
+            yield self
+        finally:
+            self.group_size, self.group_rank, self.subgroup = before[:3]
+            self.__dict__.pop("group", None)
+            if before[3] is not None:
+                self.__dict__["group"] = before[3]
 
     def _owner_rank(self, i: int) -> int:
         return self.owner_group(i) * self.group_size  # the owner group's main rank

@@ -21,7 +21,7 @@ from ..checkpoint.constants import SPARSITY_NAME
 from ..phase import PhaseResult, PhaseSpec
 from ..pruning.masks import PruningStep
 from ..soup.soup import soup
-from .schedule import assign, job_steps
+from .schedule import job_steps, place
 
 logger = logging.getLogger("hf_sms")
 
@@ -68,25 +68,37 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
             jobs.setdefault(spec.replica_folder(i), (s, i))
     n_train = _length(ctx.train_dataset)
     costs = {folder: job_steps(specs[s].hparams[i], n_train) for folder, (s, i) in jobs.items()}
-    placed = dict(zip(jobs, assign(list(costs.values()), world.n_groups)))
-    owners = [[placed[spec.replica_folder(i)] for i in range(len(spec.hparams))] for spec in specs]
+    share = ctx.args.share_idle_groups and all(_splits(specs[s].hparams[i], world) for s, i in jobs.values())
+    placed, planned = (dict(zip(jobs, x)) for x in place(list(costs.values()), world.n_groups, share))
+    world.join(list(placed.values()))
+    # a replica belongs to the first group that trains it: that group keeps it for the soup
+    owners = [[placed[spec.replica_folder(i)][0] for i in range(len(spec.hparams))] for spec in specs]
+    mine = [f for f in jobs if world.group_index in placed[f]]
     pruned = []
     for spec, groups in zip(specs, owners):  # in phase order on every process: mask broadcasts pair up
+        held = [i for i in range(len(spec.hparams)) if spec.replica_folder(i) in mine]
         with world.assigned(groups):
-            pruned.append(_prune(ctx, spec))
+            pruned.append(_prune(ctx, spec, held))
     trained, records = {}, []
-    for folder in sorted((f for f in jobs if placed[f] == world.group_index), key=lambda f: -costs[f]):
+    for folder in sorted(mine, key=lambda f: (planned[f], -costs[f])):  # every group in the planned order
         s, i = jobs[folder]
         spec, (starts, steps, _) = specs[s], pruned[s]
         resumed = os.path.isfile(os.path.join(ctx.run_dir.path(folder), SPARSITY_NAME))
-        if world.is_group_main and world.n_groups > 1:
-            logger.info("[hf-sms] group %d starts %s (%g steps)", world.group_index, folder, costs[folder])
         t0 = ctx.clock()
-        model = ctx.train_replica(
-            starts[i], steps[i], spec.hparams[i], folder, check_mask=spec.exact_masks, **spec.trainer_kwargs(i)
-        )
-        trained[folder] = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
-        records.append(_record("train", t0, ctx, job=folder, steps=costs[folder], resumed=resumed))
+        with world.joined(placed[folder]):  # several groups: they start together
+            if len(placed[folder]) > 1:
+                records.append(_record("wait", t0, ctx))
+            if world.is_group_main and world.n_groups > 1:
+                logger.info("[hf-sms] group(s) %s start %s (%g steps)", placed[folder], folder, costs[folder])
+            t0 = ctx.clock()
+            model = ctx.train_replica(
+                starts[i], steps[i], spec.hparams[i], folder, check_mask=spec.exact_masks, **spec.trainer_kwargs(i)
+            )
+            model = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
+        if placed[folder][0] == world.group_index:
+            trained[folder] = model
+        records.append(_record("train", t0, ctx, job=folder, steps=costs[folder], resumed=resumed,
+                               groups=placed[folder]))  # fmt: skip
     t0 = ctx.clock()
     world.wait()  # a group that is done waits for the others, however long they train
     records.append(_record("wait", t0, ctx))
@@ -102,20 +114,20 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
     return results
 
 
-def _prune(ctx, spec: PhaseSpec) -> tuple[dict, dict, PruningStep | dict]:
-    """``({replica: start}, {replica: pruning step}, the phase's step)`` for this process's replicas of ``spec``;
-    the phase's step is ``{replica: step}`` for independent tracks."""
-    plan, example, owned = ctx.args.plan, ctx.example, ctx.world.owned(len(spec.hparams))
+def _prune(ctx, spec: PhaseSpec, held: list[int]) -> tuple[dict, dict, PruningStep | dict]:
+    """``({replica: start}, {replica: pruning step}, the phase's step)`` for the replicas of ``spec`` this process
+    trains (``held``); the phase's step is ``{replica: step}`` of those it owns for independent tracks."""
+    plan, example = ctx.args.plan, ctx.example
     if spec.shared:  # one mask for every replica, broadcast from rank 0
         step = (
             plan.prune(spec.start, spec.sparsity, spec.masks, example, sync=ctx.world.broadcast_masks)
             if spec.prune
             else PruningStep.measure(spec.start, spec.masks or {})
         )
-        return dict.fromkeys(owned, spec.start), dict.fromkeys(owned, step), step
+        return dict.fromkeys(held, spec.start), dict.fromkeys(held, step), step
     masks = spec.masks or {}  # independent tracks: each prunes its own model, no broadcast
-    steps = {i: plan.prune(spec.start[i], spec.sparsity, masks.get(i), example) for i in owned}
-    return spec.start, steps, steps
+    steps = {i: plan.prune(spec.start[i], spec.sparsity, masks.get(i), example) for i in held}
+    return spec.start, steps, {i: steps[i] for i in ctx.world.owned(len(spec.hparams))}
 
 
 def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
@@ -144,6 +156,11 @@ def _record(kind: str, t0: float, ctx, **extra) -> dict:
     w = ctx.world
     return {"kind": kind, "rank": w.rank, "group": w.group_index, "start": round(t0, 3), "end": round(ctx.clock(), 3),
             **extra}  # fmt: skip
+
+
+def _splits(args, world) -> bool:
+    """A job can be data-parallel over every group: the global batch divides over all processes."""
+    return args.per_device_train_batch_size % world.size == 0
 
 
 def _length(dataset) -> int:

@@ -306,20 +306,29 @@ class SparseModelSoup:
         self, start: nn.Module, args: SparseSoupConfig, name: str, callbacks=(), total_steps=None, **trainer_kwargs
     ):
         """One run from ``start`` with no mask given and the original LR schedule (dense pretraining, or GMP/DPF
-        pruning by callback), trained by replica 0's group and then held by every process."""
-        model = {}
-        if 0 in self.world.owned(1):
-            model[0] = self.train_replica(
-                start,
-                empty_step(),
-                args,
-                name,
-                callbacks,
-                lr_schedule="original",
-                total_steps=total_steps,
-                **trainer_kwargs,
-            )
-        return self.load(start, self.world.average(self.state_dicts(model), [1.0], start.state_dict()))
+        pruning by callback), trained by replica 0's group (with ``share_idle_groups``: by every process,
+        data-parallel) and then held by every process."""
+        world, model = self.world, {}
+        groups = (
+            list(range(world.n_groups))
+            if args.share_idle_groups and not args.per_device_train_batch_size % world.size
+            else [0]
+        )
+        world.join([groups])
+        if world.group_index in groups:
+            with world.joined(groups):
+                trained = self.train_replica(
+                    start,
+                    empty_step(),
+                    args,
+                    name,
+                    callbacks,
+                    lr_schedule="original",
+                    total_steps=total_steps,
+                    **trainer_kwargs,
+                )
+            model = {0: trained} if world.group_index == 0 else {}
+        return self.load(start, world.average(self.state_dicts(model), [1.0], start.state_dict()))
 
     def recalibrate(self, model: nn.Module, world=None) -> nn.Module:
         """BatchNorm statistics of ``model`` over the training data (docs/method.md §5), the batches shared by

@@ -24,6 +24,7 @@ parser.add_argument("--baselines", nargs="*", default=[])
 parser.add_argument("--per-phase", type=int, nargs="*", default=None, help="m of each phase")
 parser.add_argument("--pruning-method", default="imp", help="imp, or gmp/dpf (then --steps is the whole budget)")
 parser.add_argument("--merge-methods", nargs="*", default=None, help="soup methods (default: greedy; DPF: uniform)")
+parser.add_argument("--share", action="store_true", help="share_idle_groups: a lone last job over idle groups")
 parser.add_argument("--eval-copies", type=int, default=1, help="validation and test sets repeated (benchmarks)")
 cli = parser.parse_args()
 
@@ -52,6 +53,7 @@ args = SparseSoupConfig(
     pruning_steps=2,
     merge_methods=cli.merge_methods or (["uniform"] if cli.pruning_method == "dpf" else ["greedy"]),  # DPF: the mean
     replicas_per_phase=cli.per_phase,
+    share_idle_groups=cli.share,
 )
 noisy = TensorDictDataset(
     test.x + 0.3 * torch.randn(test.x.shape, generator=torch.Generator().manual_seed(0)), test.labels
