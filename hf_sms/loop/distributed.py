@@ -2,8 +2,12 @@
 
 The paper's point is that the m retraining runs of a phase are independent. With N processes:
 
-- N <= m: process groups of one; group g trains replicas g, g + N, ... in turn;
+- N <= m: process groups of one;
 - N = k * m: m groups of k processes; each replica is data-parallel over its own group.
+
+Which group trains which replica is round robin, or the schedule's choice for a round (:meth:`ReplicaWorld.assigned`,
+hf_sms.loop.rounds); with ``share_idle_groups`` a job may be data-parallel over several groups
+(:meth:`ReplicaWorld.joined`).
 
 Replicas never synchronise gradients with each other. Masks are computed once and broadcast from
 rank 0; soups are formed with collectives (all-reduce of a flat float64 buffer; gathered scores),

@@ -158,8 +158,8 @@ class SparseModelSoup:
                 self.final_soup = PRUNING_METHODS.get(a.pruning_method)(self)
             else:  # every trajectory and baseline is a track; tracks run beside each other on several groups
                 tracks = {f"sms_{method}": self.trajectory(method) for method in a.merge_methods}
-                tracks.update({name: BASELINES.get(name)(self) for name in a.baselines})
-                done = drive(self, {name: track for name, track in tracks.items() if track is not None})
+                tracks.update({name: self.baseline(name) for name in a.baselines})
+                done = drive(self, tracks)
                 self.final_soup = done[f"sms_{a.merge_methods[0]}"]
             self.results["final_row"] = self.recorder.final_row(a.merge_methods[0], a.pruning_method)
             if self.world.is_main and a.measure_speedup:  # the final row's model is the final soup, timed there
@@ -199,6 +199,13 @@ class SparseModelSoup:
             model, masks = result.soup, result.masks
             self.recorder.sms(method, p, sparsity, result, primary=method == a.merge_methods[0])
         return model
+
+    def baseline(self, name: str):
+        """A baseline as a track: one that returns a track (the IMP baselines) trains beside the others; a plain
+        ``fn(ctx)`` runs when the track starts (on one process group: after the SMS trajectories)."""
+        track = BASELINES.get(name)(self)
+        if track is not None:
+            yield from track
 
     def run_phase(self, spec: PhaseSpec) -> PhaseResult:
         """One phase (:mod:`hf_sms.phase`): prune (Step 1), retrain the replicas (Step 2), score them on validation,
