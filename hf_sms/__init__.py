@@ -4,7 +4,7 @@ from . import baselines, methods, soup  # noqa: F401  (registering every soup, m
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import load_sparse, save_sparse, transformers_integration
 from .checkpoint.families import register_family
-from .config import SparseSoupConfig
+from .config import SparseSoupArguments, SparseSoupConfig, SparseSoupSeq2SeqConfig, sparse_config
 from .hub import push_to_hub
 from .loop.sms import SparseModelSoup, run_sms
 from .methods.common import MethodContext
@@ -33,7 +33,7 @@ from .runtime import to_sparse_runtime
 from .shrink import shrink
 from .soup import greedy_soup, uniform_soup
 from .soup.method import SoupMethod
-from .trainer import SparseSoupTrainer
+from .trainer import SparseSoupMixin, SparseSoupSeq2SeqTrainer, SparseSoupTrainer
 
 transformers_integration.register()  # AutoModel*.from_pretrained(dir) decodes bitmask checkpoints
 
@@ -54,7 +54,11 @@ __all__ = [
     "Registry",
     "SoupMethod",
     "SparseModelSoup",
+    "SparseSoupArguments",
     "SparseSoupConfig",
+    "SparseSoupMixin",
+    "SparseSoupSeq2SeqConfig",
+    "SparseSoupSeq2SeqTrainer",
     "SparseSoupTrainer",
     "apply_masks",
     "compute_masks",
@@ -70,6 +74,7 @@ __all__ = [
     "register_family",
     "resolve_pruning",
     "shrink",
+    "sparse_config",
     "sparsity_report",
     "to_sparse_runtime",
     "UnitGroup",

@@ -1,11 +1,17 @@
-"""``SparseSoupConfig``: TrainingArguments plus what pruning, retraining and the soup need."""
+"""``SparseSoupConfig``: TrainingArguments plus what pruning, retraining and the soup need.
+
+The hf-sms fields are one mixin, :class:`SparseSoupArguments`, composed with any Trainer's arguments class:
+:class:`SparseSoupConfig` (TrainingArguments, the paper's defaults for an SMS run), :class:`SparseSoupSeq2SeqConfig`
+(Seq2SeqTrainingArguments, its defaults untouched) and :func:`sparse_config` for any other (trl's ``SFTConfig``).
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
 from .plan import PruningPlan, resolve_pruning
@@ -18,8 +24,9 @@ LR_SCHEDULES = ("retrain", "original", "pretrain")
 
 
 @dataclass(kw_only=True, repr=False)  # keep TrainingArguments' repr, which masks tokens
-class SparseSoupConfig(TrainingArguments):
-    r"""Configuration of a Sparse Model Soups run; every TrainingArguments field applies to each replica.
+class SparseSoupArguments:
+    r"""What pruning, retraining and the soup need, mixed into a Trainer's arguments class (see
+    :class:`SparseSoupConfig`, :func:`sparse_config`); every field of that class applies to each replica.
 
     Parameters that control pruning:
         target_sparsity, n_phases, allocation, structure, criterion, unit_multiple, fit_config (see
@@ -40,9 +47,8 @@ class SparseSoupConfig(TrainingArguments):
     ``derive_seed(replica_seeds[i], "sms", p)``): independent streams for shuffling, augmentation and
     dropout, never ``seed + i`` (see :mod:`hf_sms.seeding`).
 
-    Defaults changed from TrainingArguments, to the paper's settings: ``max_grad_norm=0`` (no gradient
-    clipping), weight decay on every parameter (``decay_all_parameters``); and ``save_strategy="no"``
-    (the SMS loop checkpoints finished replicas itself), ``logging_steps=50``.
+    Mixed into another arguments class, every default of that class stays as it is (``decay_all_parameters`` is
+    False there: the Trainer's own weight decay); :class:`SparseSoupConfig` sets the paper's.
     """
 
     # Pruning
@@ -114,7 +120,7 @@ class SparseSoupConfig(TrainingArguments):
         },
     )
     decay_all_parameters: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "Weight decay on every parameter, biases and norms included, as torch.optim.SGD in the paper's "
             "code; False: transformers' default (no decay on biases and LayerNorm weights)."
@@ -213,13 +219,6 @@ class SparseSoupConfig(TrainingArguments):
             "sparsity.json and the model card."
         },
     )
-
-    # Changed TrainingArguments defaults.
-    max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping norm; 0: none (the paper's)."})
-    save_strategy: SaveStrategy | str = field(
-        default="no", metadata={"help": "Checkpoint strategy inside one replica's training."}
-    )
-    logging_steps: float = field(default=50, metadata={"help": "Log every X updates steps."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -357,3 +356,66 @@ class SparseSoupConfig(TrainingArguments):
             return {"max_steps": self.max_steps * self.phase_replicas(phase)}
         epochs = [h.get("num_train_epochs", self.num_train_epochs) for h in self.replica_overrides(phase)]
         return {"num_train_epochs": float(sum(epochs)), "max_steps": -1}
+
+
+_DECAY_ALL = (
+    "Weight decay on every parameter, biases and norms included, as torch.optim.SGD in the paper's code; False: "
+)
+
+
+@dataclass(kw_only=True, repr=False)
+class SparseSoupConfig(SparseSoupArguments, TrainingArguments):
+    r"""Configuration of a Sparse Model Soups run: TrainingArguments plus :class:`SparseSoupArguments`.
+
+    Defaults changed from TrainingArguments, to the paper's settings: ``max_grad_norm=0`` (no gradient
+    clipping), weight decay on every parameter (``decay_all_parameters``); and ``save_strategy="no"``
+    (the SMS loop checkpoints finished replicas itself), ``logging_steps=50``.
+    """
+
+    decay_all_parameters: bool = field(
+        default=True, metadata={"help": "Weight decay on every parameter (the paper's); False: transformers' default."}
+    )
+    max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping norm; 0: none (the paper's)."})
+    save_strategy: SaveStrategy | str = field(
+        default="no", metadata={"help": "Checkpoint strategy inside one replica's training."}
+    )
+    logging_steps: float = field(default=50, metadata={"help": "Log every X updates steps."})
+
+
+@dataclass(kw_only=True, repr=False)
+class SparseSoupSeq2SeqConfig(SparseSoupArguments, Seq2SeqTrainingArguments):
+    """Seq2SeqTrainingArguments (``predict_with_generate``, ``generation_max_length``, ...) plus
+    :class:`SparseSoupArguments`, every Seq2SeqTrainingArguments default as it is: the arguments of
+    :class:`hf_sms.SparseSoupSeq2SeqTrainer`."""
+
+
+_COMPOSED = {TrainingArguments: SparseSoupConfig, Seq2SeqTrainingArguments: SparseSoupSeq2SeqConfig}
+
+
+def sparse_config(cls: type) -> type:
+    """The arguments class of ``cls`` (a TrainingArguments subclass, e.g. trl's ``SFTConfig``) with the hf-sms fields
+    mixed in and every default of ``cls`` kept; ``SparseSoupConfig`` for TrainingArguments itself. Use it in
+    ``HfArgumentParser`` and with a trainer built from :class:`hf_sms.SparseSoupMixin`."""
+    if issubclass(cls, SparseSoupArguments):
+        return cls
+    if not (isinstance(cls, type) and issubclass(cls, TrainingArguments)):
+        raise TypeError(f"sparse_config takes a TrainingArguments subclass, got {cls!r}")
+    if cls not in _COMPOSED:
+        name = f"SparseSoup{cls.__name__}"
+        composed = dataclass(kw_only=True, repr=False)(
+            type(name, (SparseSoupArguments, cls), {"__module__": __name__, "__qualname__": name, "__doc__":
+                 f"{cls.__name__} plus :class:`SparseSoupArguments`, every default of {cls.__name__} as it is."})
+        )  # fmt: skip
+        globals()[name] = _COMPOSED[cls] = composed  # importable by name: the args pickle (training_args.bin)
+    return _COMPOSED[cls]
+
+
+def as_sparse_arguments(args):
+    """``args`` with the hf-sms fields: itself if it has them, else the same values in :func:`sparse_config` of its
+    class (a user's TrainingArguments, Seq2SeqTrainingArguments, SFTConfig)."""
+    if isinstance(args, SparseSoupArguments):
+        return args
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"args must be TrainingArguments (or a subclass), got {type(args).__name__}")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and hasattr(args, f.name)}
+    return sparse_config(type(args))(**values)

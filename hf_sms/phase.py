@@ -3,9 +3,10 @@ soup them, recalibrate (Algorithm 1's body; docs/method.md §1).
 
 SMS, the pruning-during-training methods with SMS (GMP, DPF, BIMP) and the IMP baselines all describe a phase as
 a :class:`PhaseSpec` and run it with :meth:`hf_sms.loop.sms.SparseModelSoup.run_phase` (or, the trajectories and
-baselines as tracks, several phases at once: :mod:`hf_sms.loop.rounds`), which returns a :class:`PhaseResult`. They differ only in what the spec says: one start and one broadcast mask for all replicas
-(SMS), or one start and mask per replica (independent IMP tracks); which soup (a name in
-:data:`hf_sms.registry.SOUPS`), or none; and per-replica trainer arguments (GMP's step window, DPF's masking).
+baselines as tracks, several phases at once: :mod:`hf_sms.loop.rounds`), which returns a :class:`PhaseResult`.
+They differ only in what the spec says: one start and one broadcast mask for all replicas (SMS), or one start and
+mask per replica (independent IMP tracks); which soup (a name in :data:`hf_sms.registry.SOUPS`), or none; and
+per-replica trainer arguments (GMP's step window, DPF's masking).
 """
 
 from __future__ import annotations

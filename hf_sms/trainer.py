@@ -1,4 +1,9 @@
-"""``SparseSoupTrainer``: transformers' Trainer with masks kept exact and retraining LR schedules."""
+"""``SparseSoupTrainer``: transformers' Trainer with masks kept exact and retraining LR schedules.
+
+The hooks are one mixin, :class:`SparseSoupMixin`, for any Trainer subclass: ``SparseSoupTrainer`` (Trainer) and
+``SparseSoupSeq2SeqTrainer`` (Seq2SeqTrainer, ``predict_with_generate``) ship ready-made;
+``class MyTrainer(SparseSoupMixin, SFTTrainer)`` composes with trl's and any other (docs/trainer.md).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from torch import nn
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from .batchnorm import recalibrate_batchnorm
@@ -18,7 +24,7 @@ from .checkpoint.constants import CARD_NAME, MASKS_NAME
 from .checkpoint.families import family_of_model
 from .checkpoint.masks import load_pruning_step, save_masks
 from .checkpoint.trainer_card import merge_trainer_card
-from .config import LR_SCHEDULES, SparseSoupConfig
+from .config import LR_SCHEDULES, as_sparse_arguments, sparse_config
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
 from .pruning.masks import PruningStep, apply_masks
 from .pruning.prunable import Masks
@@ -61,13 +67,17 @@ def _shifted(lr_lambda, offset: int, step: int) -> float:
     return lr_lambda(step + offset)
 
 
-class SparseSoupTrainer(Trainer):
-    """Retrains a pruned model: pruned weights stay exactly zero, the LR follows a retraining schedule.
+class SparseSoupMixin:
+    """Retrains a pruned model: pruned weights stay exactly zero, the LR follows a retraining schedule. Mixed into a
+    Trainer subclass (``class MyTrainer(SparseSoupMixin, Seq2SeqTrainer)``), it overrides a few of its methods and
+    calls the class's own for the rest.
 
     Args:
         model: a transformers, timm, smp or plain torch model. Plain models get a cross-entropy loss on
             ``labels`` unless ``compute_loss_func`` is given.
-        args: a :class:`SparseSoupConfig`; plain ``TrainingArguments`` are converted.
+        args: arguments with the hf-sms fields (:class:`~hf_sms.SparseSoupConfig`,
+            :class:`~hf_sms.SparseSoupSeq2SeqConfig`, :func:`~hf_sms.sparse_config` of any arguments class); plain
+            ``TrainingArguments`` (or a subclass) are converted with every value kept.
         masks: the masks to train under, as a ``{name: bool tensor}`` dict or a :class:`PruningStep`
             (which also carries ALLR's norm drop). If ``None``, the model is magnitude-pruned to
             ``args.target_sparsity`` with ``args.allocation`` in one shot.
@@ -91,6 +101,8 @@ class SparseSoupTrainer(Trainer):
     ``masks={}`` starts dense (nothing is masked until a callback calls :meth:`set_masks`).
     """
 
+    arguments_class = TrainingArguments  # what args=None builds (with the hf-sms fields)
+
     def __init__(
         self,
         model=None,
@@ -104,10 +116,9 @@ class SparseSoupTrainer(Trainer):
         **kwargs,
     ):
         if args is None:
-            args = SparseSoupConfig(output_dir="tmp_trainer")
-        elif not isinstance(args, SparseSoupConfig):
-            args = SparseSoupConfig(**{**args.to_dict(), "hub_token": args.hub_token})
-        if model is not None:  # what the model's library needs (smp's config, a loss for logits-only models)
+            args = sparse_config(self.arguments_class)(output_dir="tmp_trainer")
+        args = as_sparse_arguments(args)
+        if isinstance(model, nn.Module):  # what the model's library needs (smp's config, a loss for logits-only models)
             family = family_of_model(model)
             family.prepare_training(model)
             if not family.computes_loss:
@@ -214,7 +225,7 @@ class SparseSoupTrainer(Trainer):
 
     def _original_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None):
         total = self.total_steps or self.step_offset + num_training_steps
-        scheduler = Trainer.create_scheduler(self, total, optimizer)
+        scheduler = super().create_scheduler(total, optimizer)
         if self.step_offset:  # a phase of a longer run: the rates of its global iterations
             if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
                 raise ValueError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} cannot start at a step_offset")
@@ -316,3 +327,16 @@ class SparseSoupTrainer(Trainer):
         )
         limit = max_batches if max_batches is not None else self.args.bn_recalibration_batches
         return recalibrate_batchnorm(self.model, loader, limit)
+
+
+class SparseSoupTrainer(SparseSoupMixin, Trainer):
+    """transformers' ``Trainer`` with :class:`SparseSoupMixin`: pruned weights stay exactly zero, the LR follows a
+    retraining schedule (the arguments are documented there)."""
+
+
+class SparseSoupSeq2SeqTrainer(SparseSoupMixin, Seq2SeqTrainer):
+    """transformers' ``Seq2SeqTrainer`` with :class:`SparseSoupMixin`: ``predict_with_generate`` and the generation
+    arguments work as in ``Seq2SeqTrainer``; use :class:`~hf_sms.SparseSoupSeq2SeqConfig` (or plain
+    ``Seq2SeqTrainingArguments``, converted with every value kept)."""
+
+    arguments_class = Seq2SeqTrainingArguments

@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 
-from hf_sms import SparseModelSoup, SparseSoupConfig
+from hf_sms import SparseModelSoup, SparseSoupConfig, SparseSoupSeq2SeqTrainer
 from hf_sms.evaluation import BleuMetric
 from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, public_weights_note
 from hf_sms.smoke import smoke_translation
@@ -38,7 +38,12 @@ class ModelArguments:
     source_prefix: str = field(default="translate English to German: ", metadata={"help": "T5's task prefix."})
     max_source_length: int = 128
     max_target_length: int = 128
-    num_beams: int = field(default=1, metadata={"help": "Beam width when generating for BLEU."})
+
+
+@dataclass(kw_only=True, repr=False)
+class T5SoupConfig(SparseSoupConfig, Seq2SeqTrainingArguments):
+    """The SMS run's config (the paper's defaults) with Seq2SeqTrainingArguments' generation fields: BLEU generates
+    with ``generation_num_beams`` and ``generation_max_length`` (default: 1 beam, ``max_target_length``)."""
 
 
 def smoke(folder: str) -> dict:
@@ -54,7 +59,7 @@ def smoke(folder: str) -> dict:
     return {"model_name_or_path": path, "max_source_length": 32, "max_target_length": 8, **smoke_translation(folder)}
 
 
-def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupConfig):
+def main(model_args: ModelArguments, data_args: DataArguments, args: T5SoupConfig):
     data_args = data_args.with_defaults(**DATA_DEFAULTS)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=False)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=False)
@@ -77,7 +82,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
     collator = DataCollatorForSeq2Seq(tokenizer, model=model)
     public = not os.path.isdir(model_args.model_name_or_path)  # a Hub id: public weights, e.g. t5-small
     notes = {"notes": [public_weights_note(model_args.model_name_or_path)]} if public else {}
-    bleu = BleuMetric(tokenizer, model_args.max_target_length, model_args.num_beams, collate_fn=collator)
+    length, beams = args.generation_max_length or model_args.max_target_length, args.generation_num_beams or 1
+    bleu = BleuMetric(tokenizer, length, beams, collate_fn=collator)
     runner = SparseModelSoup(
         model,
         args,
@@ -87,6 +93,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
         test_dataset=test,
         data_collator=collator,
         processing_class=tokenizer,
+        trainer_class=SparseSoupSeq2SeqTrainer,  # replicas train with Seq2SeqTrainer and its generation settings
         model_card={"base_model": model_args.model_name_or_path, "datasets": data_args.hub_datasets, **notes},
     )
     runner.run()
@@ -95,4 +102,4 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
 
 
 if __name__ == "__main__":
-    main(*parse_args(ModelArguments, DataArguments, SparseSoupConfig, smoke=smoke))
+    main(*parse_args(ModelArguments, DataArguments, T5SoupConfig, smoke=smoke))

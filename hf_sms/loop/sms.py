@@ -28,7 +28,7 @@ from ..phase import PhaseResult, PhaseSpec, phase_folder
 from ..pruning.masks import PruningStep, phase_sparsities
 from ..registry import BASELINES, PRUNING_METHODS
 from ..seeding import derive_seed
-from ..trainer import SparseSoupTrainer
+from ..trainer import SparseSoupMixin, SparseSoupTrainer
 from .checks import check_inputs, check_model, check_world
 from .distributed import ReplicaWorld
 from .final_soup import save_final_soup
@@ -58,7 +58,9 @@ class SparseModelSoup:
             test sets ``{name: dataset or (dataset, metric)}`` (see :func:`hf_sms.evaluation.named.named_tests`),
             e.g. the clean test set, corrupted copies (:class:`hf_sms.evaluation.named.MeanOverSets`) and subgroups.
             Every row of results.json carries each of them, and so does the dense starting model.
-        data_collator, compute_loss_func, callbacks: passed to every replica's SparseSoupTrainer.
+        data_collator, compute_loss_func, callbacks: passed to every replica's trainer.
+        trainer_class: the trainer of every replica, a :class:`~hf_sms.SparseSoupMixin` class (default
+            :class:`~hf_sms.SparseSoupTrainer`; e.g. :class:`~hf_sms.SparseSoupSeq2SeqTrainer` with Seq2Seq arguments).
         processing_class: tokenizer or image processor, saved with the final soup.
         model_card: what the Hub model card names, e.g. ``{"base_model": "t5-small", "datasets": ["wmt16"]}``;
             with ``args.push_to_hub`` the final soup is pushed to ``args.hub_model_id`` (access is checked
@@ -78,6 +80,7 @@ class SparseModelSoup:
         callbacks=None,
         processing_class=None,
         model_card: dict | None = None,
+        trainer_class: type = SparseSoupTrainer,
     ):
         if eval_dataset is None:
             train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction)  # fixed seed
@@ -99,11 +102,17 @@ class SparseModelSoup:
         # The ensemble diagnostic needs a test set scored with the selection metric.
         self.test_dataset = next((d for d, m in self.tests.values() if m is metric_fn), None)
         self.metric_fn, self.processing_class, self.model_card = metric_fn, processing_class, model_card or {}
+        if not (isinstance(trainer_class, type) and issubclass(trainer_class, SparseSoupMixin)):
+            raise TypeError(
+                f"trainer_class must be a SparseSoupMixin subclass (it keeps the masks), got {trainer_class}"
+            )
+        self.trainer_class = trainer_class
         self.kwargs = dict(  # what a nested run (BIMP's cycles) needs again
             data_collator=data_collator,
             compute_loss_func=compute_loss_func,
             callbacks=callbacks,
             processing_class=processing_class,
+            trainer_class=trainer_class,
         )
         self.trainer_kwargs = {"data_collator": data_collator, "callbacks": list(callbacks or [])}
         if compute_loss_func is not None:
@@ -301,7 +310,7 @@ class SparseModelSoup:
         args = dataclasses.replace(args, output_dir=folder, push_to_hub=False, per_device_train_batch_size=batch)
         group = {"process_group": self.world.subgroup} if self.world.subgroup is not None else {}
         kwargs = {**self.trainer_kwargs, "callbacks": self.trainer_kwargs["callbacks"] + list(callbacks)}
-        trainer = SparseSoupTrainer(
+        trainer = self.trainer_class(
             model, args, masks=step, train_dataset=self.train_dataset, **group, **kwargs, **trainer_kwargs
         )
         trainer.train()
