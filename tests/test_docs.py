@@ -1,8 +1,10 @@
 """Every ```python block of README.md and docs/ (recursively) runs as written: offline, in a fresh folder, on its own.
 
-A block fenced ```python no-test (one that needs the network, e.g. an upload to the Hub) is skipped.
+A block fenced ```python no-test (one that needs the network, e.g. an upload to the Hub) is skipped; one fenced
+```python requires=trl runs where that optional package is installed.
 """
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -22,8 +24,12 @@ def _blocks():
         for number, match in enumerate(FENCE.finditer(text), 1):
             name = f"{path.relative_to(ROOT)}:block{number}"
             line = text.count("\n", 0, match.start()) + 1
-            skip = "no-test" in match["info"].split()
+            info = match["info"].split()
+            skip = "no-test" in info
             marks = [pytest.mark.skip(reason="```python no-test: needs the network")] if skip else []
+            for package in [w.split("=", 1)[1] for w in info if w.startswith("requires=")]:
+                found = importlib.util.find_spec(package) is not None
+                marks.append(pytest.mark.skipif(not found, reason=f"needs the optional package {package}"))
             yield pytest.param(name, line, match["code"], id=name, marks=marks)
 
 

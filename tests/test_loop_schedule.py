@@ -80,6 +80,16 @@ def test_two_processes_run_every_track_side_by_side_with_one_process_numbers(poo
     assert proc.stdout.splitlines()[0].startswith("2 process(es) in 2 group(s)") and (out / "timeline.png").is_file()
 
 
+@pytest.mark.slow  # 60 s: three processes on this 2-core machine
+def test_three_processes_run_every_track_with_one_process_numbers(tmp_path):
+    outs = {n: tmp_path / f"run{n}" for n in (1, 3)}
+    for n, out in outs.items():
+        _run(_cmd(n, "sms_digits.py", out, "--replicas", "3", "--steps", "4", *POOL), timeout=600)
+    _same_run(outs[1], outs[3])
+    jobs = json.loads((outs[3] / "results.json").read_text())["world"]["jobs"]
+    assert {j["rank"] for j in jobs if j["kind"] == "train"} == {0, 1, 2}
+
+
 def test_one_process_runs_the_tracks_in_turn(pooled_one):
     jobs = [j["job"] for j in json.loads((pooled_one / "results.json").read_text())["world"]["jobs"] if "job" in j]
     trajectories = [j.split("/")[0] for j in jobs]
