@@ -41,6 +41,13 @@ def format_report(report: dict) -> str:
         f"sparsity:     {100 * report['sparsity']:.2f}% of {report['numel']:,} prunable weights "
         f"({report['nnz']:,} kept), mask {report['mask_hash']}, measured from the weights",
     ]
+    if report["integrity"] == "verified":
+        lines.append(
+            f"integrity:    verified (every tensor read against its checksum; file manifest: {report['manifest']})"
+        )
+    else:
+        lines.append("ERROR:        the stored bytes are corrupted; re-download the folder, or re-save it:")
+        lines += [f"              - {p}" for p in report["integrity"]]
     if report["mismatches"]:
         lines.append("WARNING:      sparsity.json does not match the stored weights (edited by hand, or weights from")
         lines.append("              another save); the figures here are measured. Re-save the checkpoint to fix it.")
@@ -70,6 +77,8 @@ def _run_merge(args: argparse.Namespace) -> int:
 def _run_inspect(args: argparse.Namespace) -> int:
     report = inspect_checkpoint(args.directory)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if report["integrity"] != "verified" or report["mismatches"]:
+        return 1  # a script checking a download sees it fail
     return 0
 
 

@@ -192,13 +192,14 @@ def test_inspect_measures_the_weights_and_flags_an_edited_sparsity_json(tmp_path
     info["sparsity"] = 0.99
     info["per_tensor"]["shared.weight"]["nnz"] = 1
     path.write_text(json.dumps(info))
-    assert main(["inspect", d, "--json"]) == 0
+    assert main(["inspect", d, "--json"]) == 1  # the record disagrees with the weights: a failing check
     report = json.loads(capsys.readouterr().out)
+    assert report["integrity"] == "verified"  # the bytes themselves are intact
     assert report["sparsity"] == pytest.approx(true) and report["sparsity"] < 0.9
     assert report["sparsity_json"] == "mismatch" and report["recorded"]["sparsity"] == 0.99
     assert any(m.startswith("sparsity:") and "0.99" in m for m in report["mismatches"])
     assert any(m.startswith("shared.weight nnz:") for m in report["mismatches"])
-    assert main(["inspect", d]) == 0
+    assert main(["inspect", d]) == 1
     text = capsys.readouterr().out
     assert f"sparsity:     {100 * true:.2f}%" in text and "measured" in text
     assert "WARNING" in text and "sparsity.json does not match the stored weights" in text and "0.99" in text
@@ -209,6 +210,7 @@ def test_inspect_text_and_json(tmp_path, capsys):
     d = save_sparse(model, str(tmp_path / "t5"), recipe={"m": 3}, metrics={"bleu": 2.0})
     assert main(["inspect", d, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["integrity"] == "verified" and report["manifest"] == "checked"
     assert report["format"] == "bitmask" and report["library"] == "transformers"
     assert report["sparsity"] == pytest.approx(0.8, abs=0.01) and report["recipe"] == {"m": 3}
     assert report["metrics"] == {"bleu": 2.0} and report["weights_bytes"] < report["dense_weights_bytes"]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import sms_config
+from conftest import forget_manifest, sms_config
 from torch import nn
 
 from hf_sms import SparseModelSoup, run_sms, save_sparse
@@ -599,6 +599,7 @@ def test_an_index_claiming_a_huge_shape_is_refused_before_anything_is_decoded(tm
     values = torch.ones(100)
     tensors[key], tensors[key + ".sp_index"] = values, _claiming(values, range(0, 10**9, 10**7), (2**20, 2**15))
     save_file(tensors, path, metadata=metadata)
+    forget_manifest(tmp_path / "t5")  # the shape check behind the manifest's (which refuses the rewritten file)
     assert path.stat().st_size < 40_000
     for kwargs in ({"runtime": "csr"}, {}, {"model": T5ForConditionalGeneration(config)}):
         start = time.perf_counter()

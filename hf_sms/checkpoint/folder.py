@@ -244,6 +244,7 @@ def write_sparsity(
     metrics: dict | None = None,
     aliases: dict[str, str] | None = None,
     checksums: dict[str, int] | None = None,
+    files: dict | None = None,
 ) -> dict:
     """Write ``sparsity.json``, the record that makes a folder an hf-sms checkpoint.
 
@@ -257,6 +258,7 @@ def write_sparsity(
         metrics: evaluation metrics.
         aliases: ``{name: kept name}`` of tensors stored once because they share storage.
         checksums: ``{name: CRC-32}`` of tensors in files hf-sms did not write (a dense folder keeps the family's).
+        files: the weight files' manifest (:func:`hf_sms.checkpoint.integrity.weight_manifest`).
 
     Returns:
         The record written.
@@ -274,6 +276,8 @@ def write_sparsity(
         info["aliases"] = aliases
     if checksums:
         info["crc32"] = checksums
+    if files is not None:
+        info["files"] = files
     write_json(os.path.join(folder, SPARSITY_NAME), info)
     return info
 

@@ -11,6 +11,7 @@ import os
 
 from .constants import SPARSITY_NAME
 from .families import FAMILIES
+from .integrity import verify_checkpoint
 from .masks import MaskStats, eligible
 from .reader import SparseCheckpoint
 
@@ -68,15 +69,24 @@ def inspect_checkpoint(directory: str) -> dict:
     Returns:
         A JSON-serialisable report. ``sparsity``, ``nnz``, ``numel``, ``mask_hash`` and ``per_tensor`` are
         measured from the weights; ``sparsity_json`` is ``"matches"``, ``"mismatch"`` (listed in
-        ``mismatches``, with the ``recorded`` figures) or ``"missing"``.
+        ``mismatches``, with the ``recorded`` figures) or ``"missing"``. ``integrity`` is ``"verified"`` (every
+        byte read and checked: :func:`hf_sms.checkpoint.integrity.verify_checkpoint`; the file manifest, where the
+        folder has one) or the list of what is wrong. A folder whose files are not the ones ``sparsity.json`` records
+        raises ``ValueError`` naming the file.
     """
     ckpt = SparseCheckpoint(directory)
+    problems = verify_checkpoint(ckpt)
     specs = {name: ckpt.spec(name) for name in ckpt.names()}
     names = [n for n, (shape, dtype) in specs.items() if eligible(n, shape, dtype)]
     info = ckpt.info
     listed = [n for n in ((info or {}).get("per_tensor") or {}) if n in specs and n not in names]
-    stats = ckpt.mask_stats(names + listed)
-    measured = stats.summary(names)
+    stats = MaskStats()
+    for name in names + listed:  # a tensor whose index is corrupted is left out (integrity names it)
+        try:
+            stats.add(name, ckpt.mask(name), ckpt.codec(name))
+        except ValueError:
+            continue
+    measured = stats.summary([n for n in names if n in stats.per_tensor])
     mismatches = disagreements(info, stats) if info is not None else []
     dense_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
     family = FAMILIES.get(ckpt.library) if ckpt.library in FAMILIES else None  # a hand-edited name gets a report
@@ -94,6 +104,8 @@ def inspect_checkpoint(directory: str) -> dict:
         "nnz": measured["nnz"],
         "numel": measured["numel"],
         "mask_hash": measured["mask_hash"],
+        "integrity": problems or "verified",
+        "manifest": "checked" if (info or {}).get("files") is not None else "none (a folder saved without one)",
         "sparsity_json": "missing" if info is None else ("mismatch" if mismatches else "matches"),
         "mismatches": mismatches,
         "recorded": {k: info.get(k) for k in _COMPARED} if info is not None else None,

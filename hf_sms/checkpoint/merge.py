@@ -22,7 +22,8 @@ from ..soup.method import SoupMethod
 from .card import write_card
 from .codec import decode_tensor, index_info, mask_part, restamp_index, verified
 from .constants import FORMATS, INDEX_SUFFIX, WEIGHTS_NAME
-from .folder import atomic_folder, check_target, copy_companion_files, write_sparsity
+from .folder import atomic_folder, check_target, copy_companion_files, weight_files, write_sparsity
+from .integrity import weight_manifest
 from .masks import eligible
 from .reader import SparseCheckpoint
 from .safetensors_io import WeightsWriter
@@ -261,6 +262,7 @@ def merge_checkpoints(
             recipe=recipe,
             metrics=(ref.info or {}).get("metrics") if _copy else None,
             aliases=ref.aliases,
+            files=weight_manifest(tmp, weight_files(tmp)),
         )
         write_card(tmp, os.path.basename(os.path.normpath(output)))
     return info

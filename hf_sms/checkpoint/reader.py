@@ -15,6 +15,7 @@ from .codec import DENSE, decode_positions, decode_tensor, index_info, index_mas
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
 from .families import Family, family_of_config, get_family
 from .folder import PREVIOUS_SUFFIX, checkpoint_file, read_json, read_sparsity, restore_previous, weight_files
+from .integrity import check_manifest
 from .masks import MaskStats, eligible
 from .safetensors_io import SafetensorsFile, workers
 
@@ -53,7 +54,9 @@ class SparseCheckpoint:
                 f"{directory} has neither {SPARSITY_NAME} nor a transformers/timm/smp {CONFIG_NAME}: not a model "
                 "checkpoint. Save one with hf_sms.save_sparse(model, directory)."
             )
-        self.files = [SafetensorsFile(p) for p in weight_files(directory)]
+        paths = weight_files(directory)
+        check_manifest(directory, self.info, paths)  # names and files bound to the folder, before anything is read
+        self.files = [SafetensorsFile(p) for p in paths]
         self._where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for key in f.keys():

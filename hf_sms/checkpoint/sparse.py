@@ -13,6 +13,7 @@ from .codec import crc32
 from .constants import CARD_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME
 from .families import family_of_model
 from .folder import atomic_folder, weight_files, write_sparsity
+from .integrity import weight_manifest
 from .masks import MaskStats, eligible
 from .reader import SparseCheckpoint, check_masks
 from .runtime_load import load_runtime
@@ -95,6 +96,7 @@ def save_sparse(
             metrics=metrics,
             aliases=aliases,
             checksums=checksums,
+            files=weight_manifest(tmp, weight_files(tmp)),
         )
         write_card(tmp, os.path.basename(os.path.abspath(directory)), os.path.join(directory, CARD_NAME))
     return directory

@@ -30,7 +30,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .codec import decode_tensor
 from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
-from .folder import checkpoint_file
+from .folder import checkpoint_file, read_sparsity, weight_files
+from .integrity import check_manifest
 from .prefetch import Prefetcher
 from .safetensors_io import SafetensorsFile
 
@@ -142,6 +143,10 @@ class SparseCheckpointQuantizer(HfQuantizer):
             if root and os.path.isdir(root):  # a local folder: an index naming "../x" never leads outside it
                 for p in paths:
                     checkpoint_file(root, os.path.relpath(os.path.normpath(p), os.path.normpath(root)))
+            # the files and every tensor's name are the ones sparsity.json records (a Hub download: its snapshot)
+            folder = root if root and os.path.isdir(root) else (os.path.dirname(paths[0]) if paths else None)
+            if folder is not None:
+                check_manifest(folder, read_sparsity(folder), weight_files(folder))
             self._files = files = [SafetensorsFile(p) for p in paths]
             self._prefetch = Prefetcher(files)
         plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}

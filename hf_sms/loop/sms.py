@@ -80,7 +80,7 @@ class SparseModelSoup:
         callbacks=None,
         processing_class=None,
         model_card: dict | None = None,
-        trainer_class: type = SparseSoupTrainer,
+        trainer_class: type | None = None,
     ):
         if eval_dataset is None:
             train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction)  # fixed seed
@@ -102,6 +102,7 @@ class SparseModelSoup:
         # The ensemble diagnostic needs a test set scored with the selection metric.
         self.test_dataset = next((d for d, m in self.tests.values() if m is metric_fn), None)
         self.metric_fn, self.processing_class, self.model_card = metric_fn, processing_class, model_card or {}
+        trainer_class = trainer_class or SparseSoupTrainer
         if not (isinstance(trainer_class, type) and issubclass(trainer_class, SparseSoupMixin)):
             raise TypeError(
                 f"trainer_class must be a SparseSoupMixin subclass (it keeps the masks), got {trainer_class}"

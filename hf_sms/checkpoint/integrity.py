@@ -1,0 +1,105 @@
+"""One integrity check for every reader of a checkpoint folder.
+
+Bytes are checked where they are read: every tensor stored as it is has a CRC-32 in its file's header (or, for a
+dense folder's own files, in ``sparsity.json``), every encoded tensor a CRC-32 over its values and index in the
+index. What binds each tensor to its *name* and each file to its *folder* is the manifest ``sparsity.json``
+records (``files``): per weight file its size and the SHA-256 of its safetensors header, which holds every name,
+dtype, shape, byte range and the CRC table, and of a sharded folder's index. Two tensors swapped in a header, a
+renamed tensor, a file from another save or a missing shard change a header, so :func:`check_manifest` refuses
+them, naming the file, before any tensor is read. Every reader calls it (:class:`~hf_sms.checkpoint.reader.
+SparseCheckpoint`: ``load_sparse``, ``merge``, ``convert``, ``inspect``, ``speed``; ``from_pretrained`` after
+``import hf_sms``); :func:`verify_checkpoint` also reads every byte (``hf-sms inspect``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+from .constants import INDEX_NAME, SPARSITY_NAME
+
+_FIX = "re-download the folder, or re-save it"
+
+
+def _digest(path: str, header_only: bool) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if header_only:  # the 8-byte length and the JSON header: names, dtypes, shapes, offsets, CRC table
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+            h.update(raw + f.read(min(n, 100_000_000)))
+        else:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _entry(folder: str, name: str) -> dict:
+    path = os.path.join(folder, name)
+    header = name.endswith(".safetensors")
+    return {"bytes": os.path.getsize(path), ("header_sha256" if header else "sha256"): _digest(path, header)}
+
+
+def _listed(folder: str, weight_paths: list[str]) -> list[str]:
+    names = [os.path.relpath(p, folder) for p in weight_paths]
+    if os.path.isfile(os.path.join(folder, INDEX_NAME)):
+        names.append(INDEX_NAME)  # which file holds which tensor
+    return sorted(names)
+
+
+def weight_manifest(folder: str, weight_paths: list[str]) -> dict:
+    """``{file: {"bytes", "header_sha256" | "sha256"}}`` of a folder's weight files (and its shard index), for
+    ``sparsity.json``."""
+    return {name: _entry(folder, name) for name in _listed(folder, weight_paths)}
+
+
+def check_manifest(folder: str, info: dict | None, weight_paths: list[str]) -> None:
+    """Raise ``ValueError`` naming the file if the folder's weight files are not the ones ``sparsity.json``
+    records. A folder without a manifest (a family's own save, hf-sms before 0.9) is not checked here."""
+    recorded = (info or {}).get("files")
+    if recorded is None:
+        return
+    if not isinstance(recorded, dict) or not all(isinstance(v, dict) for v in recorded.values()):
+        raise ValueError(f"{folder}/{SPARSITY_NAME} has a corrupted file manifest ('files'); {_FIX}")
+    present = _listed(folder, weight_paths)
+    extra = [n for n in present if n not in recorded]
+    if extra:
+        raise ValueError(f"{folder}: {extra[0]} is not one of the weight files {SPARSITY_NAME} records: it comes "
+                         f"from another save; {_FIX}")  # fmt: skip
+    for name, want in recorded.items():
+        if name not in present:
+            raise ValueError(f"{folder}: the weight file {name} that {SPARSITY_NAME} records is missing; {_FIX}")
+        have = _entry(folder, name)
+        if have != {k: want.get(k) for k in have}:
+            what = "header (tensor names, shapes, byte ranges, checksums)" if "header_sha256" in have else "content"
+            raise ValueError(
+                f"{folder}: the {what} of {name} differs from what {SPARSITY_NAME} records: tensors were renamed or "
+                f"swapped, or the file comes from another save; {_FIX}"
+            )
+
+
+def verify_checkpoint(ckpt) -> list[str]:
+    """Every byte of a :class:`~hf_sms.checkpoint.reader.SparseCheckpoint` read and checked: each stored tensor
+    against its CRC, each encoded one decoded against its index, the masks against ``sparsity.json``'s hash.
+    Returns what is wrong, one line per tensor (empty: verified)."""
+    from .reader import check_masks
+
+    problems, dense = [], {}
+    for f in ckpt.files:  # every stored tensor against its CRC (an encoded one's index is checked when decoded)
+        for key in f.keys():
+            try:
+                f.read(key)
+            except ValueError as e:
+                problems.append(str(e))
+    for name in ckpt.names():
+        try:
+            dense[name] = ckpt.read(name)
+        except ValueError as e:
+            problems.append(str(e))
+    if not problems:
+        try:
+            check_masks(ckpt, dense)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
