@@ -1,10 +1,11 @@
 """hf-sms: Sparse Model Soups (Zimmer, Spiegel, Pokutta; ICLR 2024) for the Hugging Face ecosystem."""
 
 from . import baselines, methods, soup  # noqa: F401  (registering every soup, method and baseline)
+from .arguments import SparseSoupSeq2SeqConfig, sparse_config
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import load_sparse, save_sparse, transformers_integration
 from .checkpoint.families import register_family
-from .config import SparseSoupArguments, SparseSoupConfig, SparseSoupSeq2SeqConfig, sparse_config
+from .config import SparseSoupArguments, SparseSoupConfig
 from .hub import push_to_hub
 from .loop.sms import SparseModelSoup, run_sms
 from .methods.common import MethodContext

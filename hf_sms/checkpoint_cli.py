@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import torch
+from accelerate import init_empty_weights
 
 from .checkpoint import (
     FORMATS,
@@ -140,8 +141,14 @@ def _run_peak(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     before = _hwm_mb()
     x = sample_input(args.directory, args.batch_size, args.seq_len, args.image_size)
-    runtime = None if args.peak_of == "dense" else args.peak_of
-    model = load_sparse(args.directory, runtime=runtime, sample_input=x if runtime == "auto" else None)
+    if args.peak_of == "dense-shapes":  # a structured soup's dense shapes, built from its record (no weights read)
+        ckpt = SparseCheckpoint(args.directory)
+        with init_empty_weights(include_buffers=False):
+            skeleton = ckpt.family.instantiate(ckpt)
+        model = dense_shaped(skeleton, ckpt.info["recipe"]["shrunk"]["dense_config"], device="cpu")
+    else:
+        runtime = None if args.peak_of in ("dense", "smaller") else args.peak_of
+        model = load_sparse(args.directory, runtime=runtime, sample_input=x if runtime == "auto" else None)
     with torch.inference_mode():
         model(**x) if isinstance(x, dict) else model(x)
     print(before, _hwm_mb())
@@ -175,6 +182,11 @@ def _run_speed(args: argparse.Namespace) -> int:
         record = time_smaller(dense_shaped(model, shrunk["dense_config"]), model, x, repeats=args.repeats)
         print(f"{args.directory}: the smaller model vs the dense shapes it was cut from (random weights)")
         print(f"latency:  {format_measured(record)}")
+        if not args.no_memory:
+            dense, smaller = (_peak_mb(args.directory, m, args) for m in ("dense-shapes", "smaller"))
+            if dense is not None:
+                print(f"peak RSS above imports, build or load + one forward in a fresh process: {dense:.0f} MB dense "
+                      f"shapes vs {smaller:.0f} MB smaller model (load_sparse)")  # fmt: skip
         return 0
     record = measure_speedup(model, x, layout=args.layout, repeats=args.repeats)
     print(f"{args.directory}: dense vs sparse runtime ({args.layout})")
@@ -248,5 +260,7 @@ def add_parsers(subparsers) -> None:
     r.add_argument("--layout", default="auto", choices=["auto", "csr"])
     r.add_argument("--repeats", type=int, default=7)
     r.add_argument("--no-memory", action="store_true", help="skip the two fresh-process memory measurements")
-    r.add_argument("--peak-of", choices=["dense", "auto", "csr"], help=argparse.SUPPRESS)  # the memory child
+    r.add_argument(
+        "--peak-of", choices=["dense", "auto", "csr", "smaller", "dense-shapes"], help=argparse.SUPPRESS
+    )  # the memory child
     r.set_defaults(func=_guarded(_run_speed))

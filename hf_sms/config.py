@@ -1,17 +1,16 @@
 """``SparseSoupConfig``: TrainingArguments plus what pruning, retraining and the soup need.
 
 The hf-sms fields are one mixin, :class:`SparseSoupArguments`, composed with any Trainer's arguments class:
-:class:`SparseSoupConfig` (TrainingArguments, the paper's defaults for an SMS run), :class:`SparseSoupSeq2SeqConfig`
-(Seq2SeqTrainingArguments, its defaults untouched) and :func:`sparse_config` for any other (trl's ``SFTConfig``).
+:class:`SparseSoupConfig` (TrainingArguments, the paper's defaults for an SMS run) here; Seq2Seq and any other
+arguments class (trl's ``SFTConfig``) in :mod:`hf_sms.arguments`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 
-from transformers import Seq2SeqTrainingArguments, TrainingArguments
+from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
 from .plan import PruningPlan, resolve_pruning
@@ -380,42 +379,3 @@ class SparseSoupConfig(SparseSoupArguments, TrainingArguments):
         default="no", metadata={"help": "Checkpoint strategy inside one replica's training."}
     )
     logging_steps: float = field(default=50, metadata={"help": "Log every X updates steps."})
-
-
-@dataclass(kw_only=True, repr=False)
-class SparseSoupSeq2SeqConfig(SparseSoupArguments, Seq2SeqTrainingArguments):
-    """Seq2SeqTrainingArguments (``predict_with_generate``, ``generation_max_length``, ...) plus
-    :class:`SparseSoupArguments`, every Seq2SeqTrainingArguments default as it is: the arguments of
-    :class:`hf_sms.SparseSoupSeq2SeqTrainer`."""
-
-
-_COMPOSED = {TrainingArguments: SparseSoupConfig, Seq2SeqTrainingArguments: SparseSoupSeq2SeqConfig}
-
-
-def sparse_config(cls: type) -> type:
-    """The arguments class of ``cls`` (a TrainingArguments subclass, e.g. trl's ``SFTConfig``) with the hf-sms fields
-    mixed in and every default of ``cls`` kept; ``SparseSoupConfig`` for TrainingArguments itself. Use it in
-    ``HfArgumentParser`` and with a trainer built from :class:`hf_sms.SparseSoupMixin`."""
-    if issubclass(cls, SparseSoupArguments):
-        return cls
-    if not (isinstance(cls, type) and issubclass(cls, TrainingArguments)):
-        raise TypeError(f"sparse_config takes a TrainingArguments subclass, got {cls!r}")
-    if cls not in _COMPOSED:
-        name = f"SparseSoup{cls.__name__}"
-        composed = dataclass(kw_only=True, repr=False)(
-            type(name, (SparseSoupArguments, cls), {"__module__": __name__, "__qualname__": name, "__doc__":
-                 f"{cls.__name__} plus :class:`SparseSoupArguments`, every default of {cls.__name__} as it is."})
-        )  # fmt: skip
-        globals()[name] = _COMPOSED[cls] = composed  # importable by name: the args pickle (training_args.bin)
-    return _COMPOSED[cls]
-
-
-def as_sparse_arguments(args):
-    """``args`` with the hf-sms fields: itself if it has them, else the same values in :func:`sparse_config` of its
-    class (a user's TrainingArguments, Seq2SeqTrainingArguments, SFTConfig)."""
-    if isinstance(args, SparseSoupArguments):
-        return args
-    if not isinstance(args, TrainingArguments):
-        raise TypeError(f"args must be TrainingArguments (or a subclass), got {type(args).__name__}")
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and hasattr(args, f.name)}
-    return sparse_config(type(args))(**values)

@@ -66,13 +66,23 @@ def format_table(runs: list[dict], split: str = "test") -> str:
     phases = runs[0]["phases"]
     table = metric_table(runs, split)
     dense = [value(r["dense"], split) for r in runs if r.get("dense") and value(r["dense"], split) is not None]
-    head = "| method | " + " | ".join(f"phase {i + 1} ({100 * s:.1f}%)" for i, s in enumerate(phases)) + " |"
-    lines = [head, "|" + "---|" * (len(phases) + 1)]
+    head = "| method | " + " | ".join(f"phase {i + 1} (target {100 * s:.1f}%)" for i, s in enumerate(phases)) + " |"
+    lines = [head, "|" + "---|" * (len(phases) + 1), _achieved(runs[0], len(phases))]
     if dense:  # the paper's "unpruned" value, the same for every phase
         lines.append(f"| dense (unpruned) | {_cell(dense)} |" + " |" * (len(phases) - 1))
     for method in [m for m in ROW_ORDER if m in table] + sorted(set(table) - set(ROW_ORDER)):
         lines.append(f"| {ROW_NAMES.get(method, method)} | " + " | ".join(_cell(c) for c in table[method]) + " |")
     return "\n".join(lines)
+
+
+def _achieved(run: dict, n: int) -> str:
+    """The row under the header: what the final method's soups achieved (weights pruned; units removed)."""
+    rows = _final_rows(run)[1][-n:]
+    cells = ["-"] * (n - len(rows))
+    for row in rows:
+        units = "".join(f", {k} {100 * v:.1f}%" for k, v in (row.get("units") or {}).items())
+        cells.append(f"weights {100 * row['sparsity']:.1f}%{units}" if isinstance(row.get("sparsity"), float) else "-")
+    return "| achieved (final soup) | " + " | ".join(cells) + " |"
 
 
 def _final_rows(run: dict) -> tuple[str, list[dict]]:

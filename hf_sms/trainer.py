@@ -18,13 +18,14 @@ from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
+from .arguments import as_sparse_arguments, sparse_config
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
 from .checkpoint.constants import CARD_NAME, MASKS_NAME
 from .checkpoint.families import family_of_model
 from .checkpoint.masks import load_pruning_step, save_masks
 from .checkpoint.trainer_card import merge_trainer_card
-from .config import LR_SCHEDULES, as_sparse_arguments, sparse_config
+from .config import LR_SCHEDULES
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
 from .pruning.masks import PruningStep, apply_masks
 from .pruning.prunable import Masks
@@ -117,7 +118,7 @@ class SparseSoupMixin:
     ):
         if args is None:
             args = sparse_config(self.arguments_class)(output_dir="tmp_trainer")
-        args = as_sparse_arguments(args)
+        args = as_sparse_arguments(args, self.arguments_class)
         if isinstance(model, nn.Module):  # what the model's library needs (smp's config, a loss for logits-only models)
             family = family_of_model(model)
             family.prepare_training(model)
@@ -263,7 +264,7 @@ class SparseSoupMixin:
 
     # -- logging, saving, resuming -----------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs["sparsity"] = round(self.masking.sparsity(), 6)
+        logs["weight_sparsity"] = round(self.masking.sparsity(), 6)  # achieved: pruned weights / maskable
         super().log(logs, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -82,7 +82,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: T5SoupConfi
     collator = DataCollatorForSeq2Seq(tokenizer, model=model)
     public = not os.path.isdir(model_args.model_name_or_path)  # a Hub id: public weights, e.g. t5-small
     notes = {"notes": [public_weights_note(model_args.model_name_or_path)]} if public else {}
-    length, beams = args.generation_max_length or model_args.max_target_length, args.generation_num_beams or 1
+    length = getattr(args, "generation_max_length", None) or model_args.max_target_length  # any config works
+    beams = getattr(args, "generation_num_beams", None) or 1
     bleu = BleuMetric(tokenizer, length, beams, collate_fn=collator)
     runner = SparseModelSoup(
         model,

@@ -120,7 +120,7 @@ def test_gmp_follows_the_cubic_schedule_with_exact_counts(make_args, image_datas
     expected = {t: round(gmp_sparsity(k, n, target) * N_CNN) for k, t in enumerate([5, 10, 15], start=1)}
     assert recorder.pruned_at == {t: (c, c) for t, c in expected.items()}  # masks and weights' zeros
     assert pruned(trainer.masks) == round(target * N_CNN)
-    logged = {h["step"]: h["sparsity"] for h in trainer.state.log_history if "sparsity" in h}
+    logged = {h["step"]: h["weight_sparsity"] for h in trainer.state.log_history if "weight_sparsity" in h}
     assert logged[4] == 0.0 and logged[5] == pytest.approx(expected[5] / N_CNN, abs=1e-6)
     assert logged[total] == pytest.approx(target, abs=1e-3)
     # The original schedule (linear from learning_rate to 0 over the run), not a retraining restart.
@@ -276,5 +276,7 @@ def test_dpf_trains_dense_weights_through_the_masked_model(accum, make_args, ima
         mask = trainer.masks[t.name]
         assert (t.param.detach()[~mask] == 0).all() and (t.param.detach()[mask] != 0).all()
         assert (opt.state[t.param]["momentum_buffer"][~mask] == 0).all()
-    logged = [h["sparsity"] for h in trainer.state.log_history if "sparsity" in h and h.get("step", 0) >= 20]
+    logged = [
+        h["weight_sparsity"] for h in trainer.state.log_history if "weight_sparsity" in h and h.get("step", 0) >= 20
+    ]
     assert logged and all(s == pytest.approx(target, abs=1e-3) for s in logged)  # the mask's, not the dense weights'

@@ -97,7 +97,7 @@ def test_smoke_run(smoke_runs, recipe, flags, tests):
     assert sorted(results["dense"]["tests"]) == sorted(tests) and results["dense"]["sparsity"] < 1e-3
     for name in tests:  # finish() prints one table per test set, dense model first
         table = stdout.split(f"{name} after each phase:\n", 1)[1]
-        assert table.startswith("| method | phase 1 (29.3%) | phase 2 (50.0%) |"), stdout[-2000:]
+        assert table.startswith("| method | phase 1 (target 29.3%) | phase 2 (target 50.0%) |"), stdout[-2000:]
         assert "| dense (unpruned) |" in table and "| SMS (uniform) |" in table and "| IMP |" in table
     soup = json.loads((out / "final_soup" / "sparsity.json").read_text())
     assert soup["sparsity"] == pytest.approx(0.5, abs=1e-3) and soup["recipe"]["phases"][-1] == 0.5

@@ -94,7 +94,7 @@ def test_trains_under_masks(kind, optim, lr, allocation, make_args, t5_dataset, 
         assert (t.param.detach()[~m] == 0).all()
         if m.any():
             assert not torch.equal(t.param.detach()[m], before[t.name][m]), f"{t.name} did not train"
-    logged = [h["sparsity"] for h in trainer.state.log_history if "sparsity" in h]
+    logged = [h["weight_sparsity"] for h in trainer.state.log_history if "weight_sparsity" in h]
     assert len(logged) >= 40 and all(s == pytest.approx(0.5, abs=1e-5) for s in logged)
 
 
@@ -192,7 +192,7 @@ def test_resume_restores_the_saved_masks(make_args, image_dataset, out_dir):
     assert_masked(fresh, saved, trainer.optimizer)
     alive_here_only = {n: saved[n] & ~other[n] for n in saved}  # pruned by the fresh trainer, alive in the checkpoint
     assert any((t.param.detach()[alive_here_only[t.name]] != 0).any() for t in prunable_tensors(fresh))
-    logged = [h["sparsity"] for h in trainer.state.log_history if "sparsity" in h]
+    logged = [h["weight_sparsity"] for h in trainer.state.log_history if "weight_sparsity" in h]
     n = sum(m.numel() for m in saved.values())
     assert logged[-1] == pytest.approx(sum(int((~m).sum()) for m in saved.values()) / n, abs=1e-6)
     # The final save carries the masks too.

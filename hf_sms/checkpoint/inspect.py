@@ -11,9 +11,8 @@ import os
 
 from .constants import SPARSITY_NAME
 from .families import FAMILIES
-from .integrity import verify_checkpoint
 from .masks import MaskStats, eligible
-from .reader import SparseCheckpoint
+from .reader import SparseCheckpoint, check_masks
 
 _COMPARED = ("sparsity", "nnz", "numel", "mask_hash")  # global figures of sparsity.json
 # Not the codec: earlier merges recorded the inputs' codec for a dense output, which is not a wrong sparsity.
@@ -60,6 +59,29 @@ def disagreements(info: dict, stats: MaskStats) -> list[str]:
     return lines
 
 
+def verify_checkpoint(ckpt: SparseCheckpoint) -> list[str]:
+    """Every byte of a checkpoint read and checked: each stored tensor against its CRC, each encoded one decoded
+    against its index, the masks against ``sparsity.json``'s hash. Returns what is wrong (empty: verified)."""
+    problems, dense = [], {}
+    for f in ckpt.files:  # every stored tensor against its CRC (an encoded one's index is checked when decoded)
+        for key in f.keys():
+            try:
+                f.read(key)
+            except ValueError as e:
+                problems.append(str(e))
+    for name in ckpt.names():
+        try:
+            dense[name] = ckpt.read(name)
+        except ValueError as e:
+            problems.append(str(e))
+    if not problems:
+        try:
+            check_masks(ckpt, dense)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
 def inspect_checkpoint(directory: str) -> dict:
     """Format, size on disk, measured sparsity (global and per tensor), recipe and metrics of a checkpoint folder.
 
@@ -70,7 +92,7 @@ def inspect_checkpoint(directory: str) -> dict:
         A JSON-serialisable report. ``sparsity``, ``nnz``, ``numel``, ``mask_hash`` and ``per_tensor`` are
         measured from the weights; ``sparsity_json`` is ``"matches"``, ``"mismatch"`` (listed in
         ``mismatches``, with the ``recorded`` figures) or ``"missing"``. ``integrity`` is ``"verified"`` (every
-        byte read and checked: :func:`hf_sms.checkpoint.integrity.verify_checkpoint`; the file manifest, where the
+        byte read and checked: :func:`verify_checkpoint`; the file manifest, where the
         folder has one) or the list of what is wrong. A folder whose files are not the ones ``sparsity.json`` records
         raises ``ValueError`` naming the file.
     """

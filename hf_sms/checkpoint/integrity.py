@@ -8,7 +8,7 @@ dtype, shape, byte range and the CRC table, and of a sharded folder's index. Two
 renamed tensor, a file from another save or a missing shard change a header, so :func:`check_manifest` refuses
 them, naming the file, before any tensor is read. Every reader calls it (:class:`~hf_sms.checkpoint.reader.
 SparseCheckpoint`: ``load_sparse``, ``merge``, ``convert``, ``inspect``, ``speed``; ``from_pretrained`` after
-``import hf_sms``); :func:`verify_checkpoint` also reads every byte (``hf-sms inspect``).
+``import hf_sms``); ``hf-sms inspect`` also reads every byte (:func:`hf_sms.checkpoint.inspect.verify_checkpoint`).
 """
 
 from __future__ import annotations
@@ -77,29 +77,3 @@ def check_manifest(folder: str, info: dict | None, weight_paths: list[str]) -> N
                 f"{folder}: the {what} of {name} differs from what {SPARSITY_NAME} records: tensors were renamed or "
                 f"swapped, or the file comes from another save; {_FIX}"
             )
-
-
-def verify_checkpoint(ckpt) -> list[str]:
-    """Every byte of a :class:`~hf_sms.checkpoint.reader.SparseCheckpoint` read and checked: each stored tensor
-    against its CRC, each encoded one decoded against its index, the masks against ``sparsity.json``'s hash.
-    Returns what is wrong, one line per tensor (empty: verified)."""
-    from .reader import check_masks
-
-    problems, dense = [], {}
-    for f in ckpt.files:  # every stored tensor against its CRC (an encoded one's index is checked when decoded)
-        for key in f.keys():
-            try:
-                f.read(key)
-            except ValueError as e:
-                problems.append(str(e))
-    for name in ckpt.names():
-        try:
-            dense[name] = ckpt.read(name)
-        except ValueError as e:
-            problems.append(str(e))
-    if not problems:
-        try:
-            check_masks(ckpt, dense)
-        except ValueError as e:
-            problems.append(str(e))
-    return problems

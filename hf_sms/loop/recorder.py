@@ -100,15 +100,21 @@ class Recorder:
             return {"speedup": None, "error": repr(e)}
 
     def row(self, method: str, phase: int, measured: dict, **extra) -> None:
-        """Add ``method``'s row for ``phase`` (0-based)."""
-        row = {"phase": phase + 1, **measured, **extra}
+        """Add ``method``'s row for ``phase`` (0-based): the phase's target sparsity beside the achieved figures
+        (``sparsity``: pruned weights; ``units``: the fraction of each unit kind removed)."""
+        phases = self.results.get("phases") or []
+        target = {"target_sparsity": phases[phase]} if phase < len(phases) else {}
+        row = {"phase": phase + 1, **target, **measured, **extra}
         self.results["rows"].setdefault(method, []).append(row)
         if self.world.is_main:
+            units = "".join(f", {k} {100 * v:.1f}%" for k, v in (row.get("units") or {}).items())
             logger.info(
-                "[hf-sms] phase %d %s: sparsity %.4f val %s test %s",
+                "[hf-sms] phase %d %s: target %s, weights pruned %.2f%%%s; val %s test %s",
                 phase + 1,
                 method,
-                row["sparsity"],
+                f"{100 * target['target_sparsity']:.2f}%" if target else "-",
+                100 * row["sparsity"],
+                units,
                 _fmt(row["val"]),
                 _fmt(row["test"]),
             )

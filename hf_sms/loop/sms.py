@@ -140,7 +140,7 @@ class SparseModelSoup:
             self.test_dataset,
             lambda: self.example,
             self.run_dir.path(RESULTS_FILE),
-            timer=(lambda m: plan.timed(m, self.example)) if args.measure_speedup else None,
+            timer=(lambda m: plan.timed(self.on_device(m), self.example)) if args.measure_speedup else None,
             achieved=lambda m: plan.achieved(m, self.example),
         )
 
@@ -363,6 +363,11 @@ class SparseModelSoup:
             collate_fn=self.collate,
             loader_kwargs=self.loader_kwargs,
         )
+
+    def on_device(self, model: nn.Module) -> nn.Module:
+        """A copy of ``model`` on the device the run trains on (its soups are timed there, and the record says so)."""
+        device = self.world.device if self.world.size > 1 else self.args.device
+        return copy.deepcopy(model).to(device)
 
     @staticmethod
     def load(template: nn.Module, state_dict: dict) -> nn.Module:

@@ -34,7 +34,7 @@ from .layers import (
     has_sparse_product,
     is_two_four,
 )
-from .timing import median_ms, time_pair
+from .timing import median_ms, time_pair, time_pair_spread
 
 logger = logging.getLogger("hf_sms")
 LAYOUTS = ("auto", "csr", "semi_structured", "dense")
@@ -64,6 +64,8 @@ class RuntimeReport:
     layers: list[LayerChoice] = field(default_factory=list)
     dense_ms: float | None = None  # the whole model on the sample input, dense
     runtime_ms: float | None = None  # and with the runtime's layers
+    speedup_range: list[float] | None = None  # lowest and highest dense / runtime of one interleaved round
+    repeats: int | None = None  # interleaved rounds behind the medians
 
     @property
     def speedup(self) -> float | None:
@@ -379,12 +381,14 @@ def _time_whole_model(model, swaps: dict[str, Swap], by_name, report, sample_inp
         use(True)
         _run(model, sample_input)
 
-    report.dense_ms, report.runtime_ms = time_pair(run_dense, run_runtime, max(3, repeats // 2), device)
+    rounds = max(3, repeats // 2)
+    report.dense_ms, report.runtime_ms, report.speedup_range = time_pair_spread(run_dense, run_runtime, rounds, device)
+    report.repeats = rounds
     if report.layout == "auto" and report.runtime_ms > report.dense_ms:
         use(False)
         for name in chosen:
             by_name[name].layout, by_name[name].reason = "dense", "the whole model was slower with it"
         logger.warning("[hf-sms] the sparse runtime was slower than dense on the sample; every layer stays dense")
-        report.runtime_ms = report.dense_ms
+        report.runtime_ms, report.speedup_range = report.dense_ms, [1.0, 1.0]
     else:
         use(True)

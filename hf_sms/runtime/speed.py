@@ -19,7 +19,7 @@ from ..pruning.prunable import accepts_labels
 from ..shrink.shrink import parameter_count
 from .convert import to_sparse_runtime
 from .layers import weight_bytes
-from .timing import time_pair
+from .timing import time_pair_spread
 
 
 def describe_input(sample) -> str:
@@ -54,6 +54,8 @@ def measure_speedup(
     report = runtime.hf_sms_runtime
     return {
         "speedup": report.speedup,
+        "speedup_range": report.speedup_range,
+        "repeats": report.repeats,
         "dense_ms": report.dense_ms,
         "runtime_ms": report.runtime_ms,
         "device": report.device,
@@ -92,7 +94,7 @@ def time_smaller(dense: nn.Module, smaller: nn.Module, batch, *, repeats: int = 
     dense, smaller = dense.eval(), smaller.eval()
     batch = send_to_device(batch, device)
     keep = accepts_labels(dense)
-    dense_ms, small_ms = time_pair(
+    dense_ms, small_ms, spread = time_pair_spread(
         lambda: forward_batch(dense, batch, keep_labels=keep),
         lambda: forward_batch(smaller, batch, keep_labels=keep),
         repeats,
@@ -100,6 +102,8 @@ def time_smaller(dense: nn.Module, smaller: nn.Module, batch, *, repeats: int = 
     )
     return {
         "speedup": dense_ms / small_ms,
+        "speedup_range": spread,
+        "repeats": repeats,
         "dense_ms": dense_ms,
         "runtime_ms": small_ms,
         "device": str(device),
@@ -120,7 +124,9 @@ def format_measured(record: dict | None) -> str:
         if record.get("layout") == "shrunk"
         else f"{record['sparse_layers']} layers sparse"
     )
+    spread = record.get("speedup_range")
+    spread = f", {spread[0]:.2f}-{spread[1]:.2f}x over {record['repeats']} interleaved rounds" if spread else ""
     return (
-        f"{record['speedup']:.2f}x ({record['dense_ms']:.2f} ms dense vs {record['runtime_ms']:.2f} ms; "
+        f"{record['speedup']:.2f}x ({record['dense_ms']:.2f} ms dense vs {record['runtime_ms']:.2f} ms{spread}; "
         f"{record['device']}, {record['threads']} thread(s), input {record['input']}; {what})"
     )

@@ -200,9 +200,10 @@ def dense_values(dense: nn.Module, smaller: nn.Module) -> dict:
     return {k: a.get(k) for k in a if a.get(k) != b.get(k)}
 
 
-def dense_shaped(smaller: nn.Module, dense_config: dict) -> nn.Module:
+def dense_shaped(smaller: nn.Module, dense_config: dict, device=None) -> nn.Module:
     """A randomly initialised model of ``smaller``'s kind with the dense knob values ``dense_config`` records (read
-    from a checkpoint: only the family's knobs, numbers or ``None``): the shapes it was shrunk from, for timing."""
+    from a checkpoint: only the family's knobs, numbers or ``None``): the shapes it was shrunk from, for timing; on
+    ``device`` (default: ``smaller``'s; a meta-device ``smaller`` gives its config only)."""
     family = config_family(smaller)
     names = {k.name for k in family.knobs}
 
@@ -217,7 +218,7 @@ def dense_shaped(smaller: nn.Module, dense_config: dict) -> nn.Module:
     dense = family.build(smaller, {k: tuple(v) if isinstance(v, list) else v for k, v in dense_config.items()})
     if dense is None:
         raise ValueError(f"cannot rebuild the dense shapes of a plain {type(smaller).__name__}")
-    return dense.to(next(smaller.parameters()).device).eval()
+    return dense.to(device or next(smaller.parameters()).device).eval()
 
 
 def shrink_record(dense: nn.Module, pruned: nn.Module, shrunk: nn.Module, structure, example_inputs) -> dict:

@@ -1,0 +1,56 @@
+"""The hf-sms fields in any Trainer's arguments class, its defaults kept: :class:`SparseSoupSeq2SeqConfig`
+(Seq2SeqTrainingArguments) and :func:`sparse_config` for any other (trl's ``SFTConfig``); :func:`as_sparse_arguments`
+converts a user's arguments value for value (docs/trainer.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+from .config import SparseSoupArguments, SparseSoupConfig
+
+
+@dataclass(kw_only=True, repr=False)
+class SparseSoupSeq2SeqConfig(SparseSoupArguments, Seq2SeqTrainingArguments):
+    """Seq2SeqTrainingArguments (``predict_with_generate``, ``generation_max_length``, ...) plus
+    :class:`SparseSoupArguments`, every Seq2SeqTrainingArguments default as it is: the arguments of
+    :class:`hf_sms.SparseSoupSeq2SeqTrainer`."""
+
+
+_COMPOSED = {TrainingArguments: SparseSoupConfig, Seq2SeqTrainingArguments: SparseSoupSeq2SeqConfig}
+
+
+def sparse_config(cls: type) -> type:
+    """The arguments class of ``cls`` (a TrainingArguments subclass, e.g. trl's ``SFTConfig``) with the hf-sms fields
+    mixed in and every default of ``cls`` kept; ``SparseSoupConfig`` for TrainingArguments itself. Use it in
+    ``HfArgumentParser`` and with a trainer built from :class:`hf_sms.SparseSoupMixin`."""
+    if issubclass(cls, SparseSoupArguments):
+        return cls
+    if not (isinstance(cls, type) and issubclass(cls, TrainingArguments)):
+        raise TypeError(f"sparse_config takes a TrainingArguments subclass, got {cls!r}")
+    if cls not in _COMPOSED:
+        name = f"SparseSoup{cls.__name__}"
+        composed = dataclass(kw_only=True, repr=False)(
+            type(name, (SparseSoupArguments, cls), {"__module__": __name__, "__qualname__": name, "__doc__":
+                 f"{cls.__name__} plus :class:`SparseSoupArguments`, every default of {cls.__name__} as it is."})
+        )  # fmt: skip
+        globals()[name] = _COMPOSED[cls] = composed  # importable by name: the args pickle (training_args.bin)
+    return _COMPOSED[cls]
+
+
+def as_sparse_arguments(args, base: type = TrainingArguments):
+    """``args`` with the hf-sms fields and those of ``base`` (a trainer's arguments class): itself if it has both,
+    else the same values in :func:`sparse_config` of its class, or of ``base`` when it lacks ``base``'s fields (a
+    ``SparseSoupConfig`` given to :class:`~hf_sms.SparseSoupSeq2SeqTrainer`); fields the target lacks are dropped."""
+    if isinstance(args, SparseSoupArguments) and isinstance(args, base):
+        return args
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"args must be TrainingArguments (or a subclass), got {type(args).__name__}")
+    target = sparse_config(type(args) if isinstance(args, base) else base)
+    names = {f.name for f in dataclasses.fields(target) if f.init}
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name in names and hasattr(args, f.name)
+    }
+    return target(**values)
