@@ -78,9 +78,30 @@ class PhaseResult:
     step: PruningStep | dict[int, PruningStep]
     seconds: float = 0.0
     owners: list[int] | None = None
+    rows: list[dict] | None = None  # a TrackJob's: the measured row of each of its phases
 
     @property
     def masks(self):
         if isinstance(self.step, dict):
             return {i: s.masks for i, s in self.step.items()}
         return self.step.masks
+
+
+@dataclass
+class TrackJob:
+    """A whole independent track as one job of a round (hf_sms.loop.rounds): a track with no soup and nothing shared
+    between its phases (IMP, IMP_mx) trains every phase in turn on one process group, beside the other tracks'
+    rounds, and measures its rows there; the round hands them to the track (``PhaseResult.rows``).
+
+    Attributes:
+        folder: the track's folder (``imp_mx``), its name in the recorded jobs.
+        hparams: one config per phase (what the schedule counts as its cost).
+        run: ``fn() -> [row of each phase]``, called on the group that owns the job.
+    """
+
+    folder: str
+    hparams: list
+    run: Callable[[], list]
+
+    def replica_folder(self, i: int) -> str:
+        return self.folder

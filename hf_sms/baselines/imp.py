@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from ..phase import PhaseSpec, phase_folder
+from ..phase import PhaseSpec, TrackJob, phase_folder
 from ..registry import BASELINES
 from ..seeding import derive_seed
 
@@ -18,14 +18,17 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False):
     """IMP (m=1) tracks in lockstep; with several tracks also IMP-RePrune: their average, re-pruned to the phase's
     sparsity (their masks diverge). A track of the loop (:mod:`hf_sms.loop.rounds`): it yields each phase."""
     args, world = ctx.args, ctx.world
+    if n_tracks == 1 and world.n_groups > 1:  # a lone track: all its phases as one job, beside the other rounds
+        hparams = [_hparams(args, name, p, 0, times_m) for p in range(len(ctx.phases))]
+        result = yield TrackJob(name, hparams, lambda: _whole_track(ctx, name, hparams))
+        for p, row in enumerate(result.rows):
+            ctx.recorder.row(name, p, row)
+        return
     template = ctx.pretrained.state_dict()
     tracks = {i: copy.deepcopy(ctx.pretrained) for i in range(n_tracks)}
     masks: dict = {}
     for p, sparsity in enumerate(ctx.phases):
-        hparams = []
-        for i in range(n_tracks):
-            h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))
-            hparams.append(dataclasses.replace(h, **args.phase_budget(p)) if times_m else h)  # IMP_mx: SMS's compute
+        hparams = [_hparams(args, name, p, i, times_m) for i in range(n_tracks)]
         reprune = "reprune" if n_tracks > 1 else None  # the tracks' average, re-pruned to the phase's sparsity
         spec = PhaseSpec(sparsity, tracks, masks, hparams, phase_folder(name, p), soup=reprune, member="track")
         result = yield spec  # no mask broadcast: IMP runs are independent
@@ -45,6 +48,25 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False):
         ctx.recorder.row(name, p, ctx.recorder.measure(tracks[0], val=result.val[0], shared=True))
         if result.soup is not None:
             ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(result.soup, shared=True))
+
+
+def _hparams(args, name: str, p: int, i: int, times_m: bool):
+    h = dataclasses.replace(args, seed=derive_seed(args.seed, name, p, i))
+    return dataclasses.replace(h, **args.phase_budget(p)) if times_m else h  # IMP_mx: SMS's compute per phase
+
+
+def _whole_track(ctx, name: str, hparams: list) -> list[dict]:
+    """Every phase of one IMP track on this process group, as the phase step does it (prune its own model, retrain,
+    recalibrate, score), each row measured by the group: what run_imp's phases give on one process."""
+    model, masks, rows, group = ctx.pretrained, None, [], ctx.world.group
+    for p, (sparsity, h) in enumerate(zip(ctx.phases, hparams)):
+        start = copy.deepcopy(model)
+        step = ctx.args.plan.prune(start, sparsity, masks, ctx.example)
+        model = ctx.recalibrate(ctx.train_replica(start, step, h, f"{phase_folder(name, p)}/track0"), group)
+        val = ctx.recorder.evaluate(model, ctx.eval_dataset, shared=group)
+        rows.append(ctx.recorder.measure(model, val=val, shared=group))
+        masks = step.masks
+    return rows
 
 
 def _needs_two(config) -> None:

@@ -18,7 +18,7 @@ import os
 import time
 
 from ..checkpoint.constants import SPARSITY_NAME
-from ..phase import PhaseResult, PhaseSpec
+from ..phase import PhaseResult, PhaseSpec, TrackJob
 from ..pruning.masks import PruningStep
 from ..soup.soup import soup
 from .schedule import job_steps, place
@@ -64,25 +64,25 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
     start, world = time.perf_counter(), ctx.world
     jobs: dict[str, tuple[int, int]] = {}  # replica folder -> (phase, replica): the round's jobs
     for s, spec in enumerate(specs):
-        for i in range(len(spec.hparams)):
+        for i in range(_replicas(spec)):
             jobs.setdefault(spec.replica_folder(i), (s, i))
     n_train = _length(ctx.train_dataset)
-    costs = {folder: job_steps(specs[s].hparams[i], n_train) for folder, (s, i) in jobs.items()}
-    share = ctx.args.share_idle_groups and all(_splits(specs[s].hparams[i], world) for s, i in jobs.values())
+    costs = {folder: _cost(specs[s], i, n_train) for folder, (s, i) in jobs.items()}
+    share = ctx.args.share_idle_groups and all(_splits(h, world) for spec in specs for h in spec.hparams)
     placed, planned = (dict(zip(jobs, x)) for x in place(list(costs.values()), world.n_groups, share))
     world.join(list(placed.values()))
     # a replica belongs to the first group that trains it: that group keeps it for the soup
-    owners = [[placed[spec.replica_folder(i)][0] for i in range(len(spec.hparams))] for spec in specs]
+    owners = [[placed[spec.replica_folder(i)][0] for i in range(_replicas(spec))] for spec in specs]
     mine = [f for f in jobs if world.group_index in placed[f]]
     pruned = []
     for spec, groups in zip(specs, owners):  # in phase order on every process: mask broadcasts pair up
-        held = [i for i in range(len(spec.hparams)) if spec.replica_folder(i) in mine]
+        held = [i for i in range(_replicas(spec)) if spec.replica_folder(i) in mine]
         with world.assigned(groups):
-            pruned.append(_prune(ctx, spec, held))
+            pruned.append(None if isinstance(spec, TrackJob) else _prune(ctx, spec, held))
     trained, records = {}, []
     for folder in sorted(mine, key=lambda f: (planned[f], -costs[f])):  # every group in the planned order
         s, i = jobs[folder]
-        spec, (starts, steps, _) = specs[s], pruned[s]
+        spec = specs[s]
         resumed = os.path.isfile(os.path.join(ctx.run_dir.path(folder), SPARSITY_NAME))
         t0 = ctx.clock()
         with world.joined(placed[folder]):  # several groups: they start together
@@ -91,10 +91,14 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
             if world.is_group_main and world.n_groups > 1:
                 logger.info("[hf-sms] group(s) %s start %s (%g steps)", placed[folder], folder, costs[folder])
             t0 = ctx.clock()
-            model = ctx.train_replica(
-                starts[i], steps[i], spec.hparams[i], folder, check_mask=spec.exact_masks, **spec.trainer_kwargs(i)
-            )
-            model = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
+            if isinstance(spec, TrackJob):  # every phase of the track, its rows measured by this group
+                model = spec.run()
+            else:
+                starts, steps, _ = pruned[s]
+                model = ctx.train_replica(
+                    starts[i], steps[i], spec.hparams[i], folder, check_mask=spec.exact_masks, **spec.trainer_kwargs(i)
+                )
+                model = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
         if placed[folder][0] == world.group_index:
             trained[folder] = model
         records.append(_record("train", t0, ctx, job=folder, steps=costs[folder], resumed=resumed,
@@ -107,8 +111,12 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
     for s, spec in enumerate(specs):
         t0 = time.perf_counter()
         with world.assigned(owners[s]):
-            candidates = {i: trained[spec.replica_folder(i)] for i in world.owned(len(spec.hparams))}
-            result = _soup(ctx, spec, pruned[s][2], candidates)
+            if isinstance(spec, TrackJob):  # its rows, from the group that measured them
+                rows = world.object_from_owner({0: trained[spec.folder]} if spec.folder in trained else {}, 0)
+                result = PhaseResult(None, {}, [], [], None, rows=rows)
+            else:
+                candidates = {i: trained[spec.replica_folder(i)] for i in world.owned(len(spec.hparams))}
+                result = _soup(ctx, spec, pruned[s][2], candidates)
         result.owners, result.seconds = owners[s], trained_s + time.perf_counter() - t0
         results.append(result)
     return results
@@ -156,6 +164,16 @@ def _record(kind: str, t0: float, ctx, **extra) -> dict:
     w = ctx.world
     return {"kind": kind, "rank": w.rank, "group": w.group_index, "start": round(t0, 3), "end": round(ctx.clock(), 3),
             **extra}  # fmt: skip
+
+
+def _replicas(spec) -> int:
+    return 1 if isinstance(spec, TrackJob) else len(spec.hparams)
+
+
+def _cost(spec, i: int, n_train: int) -> float:
+    if isinstance(spec, TrackJob):
+        return sum(job_steps(h, n_train) for h in spec.hparams)
+    return job_steps(spec.hparams[i], n_train)
 
 
 def _splits(args, world) -> bool:

@@ -38,6 +38,8 @@ class MethodContext(Protocol):
 
     def train_single(self, start: nn.Module, args, name: str, callbacks=(), total_steps=None, **trainer_kwargs): ...
 
+    def train_replica(self, start: nn.Module, step, args, name: str, callbacks=(), check_mask=True, **kwargs): ...
+
     def set_phases(self, sparsities: list) -> None: ...  # a method that prunes during training sets its own plan
 
     def recalibrate(self, model: nn.Module, world=None) -> nn.Module: ...  # world: who shares the pass
