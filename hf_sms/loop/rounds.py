@@ -5,8 +5,10 @@ A *track* is a generator that yields its next :class:`~hf_sms.phase.PhaseSpec` a
 :class:`~hf_sms.phase.PhaseResult`: an SMS trajectory (one per soup method), an IMP baseline. :func:`drive` runs a
 run's tracks. On one process group each track runs to its end in turn (Algorithm 1, then each baseline, as on one
 process). On several, the next phase of every track forms a round (:func:`run_round`): its jobs, one per replica or
-IMP track, go to the groups longest first (:func:`hf_sms.loop.schedule.assign`), a group that is done waits for
-the others, and then every phase is scored and souped by all processes together, in track order. A job writes its
+IMP track, go to the groups longest first (:func:`hf_sms.loop.schedule.place`), a group that is done waits for
+the others, and then every phase is scored and souped by all processes together, in track order. A lone track with
+no soup (IMP, IMP_mx) yields one :class:`~hf_sms.phase.TrackJob` of all its phases instead: its group trains and
+measures them while the other groups go through the rounds. A job writes its
 own checkpoint folder and depends only on its phase's start, so any placement trains the same models, and a killed
 run resumes whatever jobs had finished.
 """
