@@ -35,15 +35,13 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False):
         # every track and its mask on every process: the next phase may train it on another group
         local = {i: t.state_dict() for i, t in result.candidates.items()}
         local_masks = {i: {k: m.cpu() for k, m in ms.items()} for i, ms in result.masks.items()}
-        for i in range(n_tracks):
-            if i not in result.candidates:
-                tracks[i] = copy.deepcopy(ctx.pretrained)
-                tracks[i].load_state_dict(world.from_owner(local, i, template))
+        for i in range(n_tracks):  # every process takes part in each broadcast; the owner keeps its own objects
+            state, sent = world.from_owner(local, i, template), world.object_from_owner(local_masks, i)
+            if i in result.candidates:
+                tracks[i], masks[i] = result.candidates[i], result.masks[i]
             else:
-                tracks[i] = result.candidates[i]
-                world.from_owner(local, i, template)  # the owner sends
-            sent = world.object_from_owner(local_masks, i)
-            masks[i] = result.masks[i] if i in result.candidates else sent
+                tracks[i], masks[i] = copy.deepcopy(ctx.pretrained), sent
+                tracks[i].load_state_dict(state)
         # track 0's rows: every process holds it and shares its test sets (its owner scored validation already)
         ctx.recorder.row(name, p, ctx.recorder.measure(tracks[0], val=result.val[0], shared=True))
         if result.soup is not None:

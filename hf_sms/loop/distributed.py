@@ -177,15 +177,12 @@ class ReplicaWorld:
         ranks = self._ranks(groups)
         subgroup, waiting = self._joined[ranks]
         dist.barrier(group=waiting)
-        before = (self.group_size, self.group_rank, self.subgroup, self.__dict__.pop("group", None))
+        before = (self.group_size, self.group_rank, self.subgroup)
         self.group_size, self.group_rank, self.subgroup = len(ranks), ranks.index(self.rank), subgroup
         try:
             yield self
         finally:
-            self.group_size, self.group_rank, self.subgroup = before[:3]
-            self.__dict__.pop("group", None)
-            if before[3] is not None:
-                self.__dict__["group"] = before[3]
+            self.group_size, self.group_rank, self.subgroup = before
 
     def _owner_rank(self, i: int) -> int:
         return self.owner_group(i) * self.group_size  # the owner group's main rank
@@ -199,7 +196,7 @@ class ReplicaWorld:
         if self.size > 1:
             dist.barrier(group=self._waiting)
 
-    @functools.cached_property
+    @property
     def group(self) -> GroupWorld:
         """This process's replica group as a world of its own: the processes that hold the same replica share
         its evaluation and BatchNorm pass."""

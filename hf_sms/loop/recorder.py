@@ -165,8 +165,7 @@ class Recorder:
     def jobs(self, records: list[dict]) -> None:
         """Every process's records of a round (its training jobs, its wait for the other groups): results.json's
         ``world.jobs``, what ``hf-sms timeline`` draws. Every process calls it."""
-        gathered = [r for part in self.world.all_gather(records) for r in part]
-        self.results.setdefault("world", {}).setdefault("jobs", []).extend(gathered)
+        self.results["world"]["jobs"] += [r for part in self.world.all_gather(records) for r in part]
 
     def final_row(self, merge_method: str, pruning_method: str) -> str:
         """The row of the final soup: the SMS trajectory of ``merge_method``, else the pruning method's own."""

@@ -365,9 +365,12 @@ class SparseModelSoup:
         )
 
     def on_device(self, model: nn.Module) -> nn.Module:
-        """A copy of ``model`` on the device the run trains on (its soups are timed there, and the record says so)."""
-        device = self.world.device if self.world.size > 1 else self.args.device
-        return copy.deepcopy(model).to(device)
+        """``model`` on the device the run trains on (its soups are timed there, and the record says so): itself if
+        it is there (timing copies it anyway), else a copy moved there."""
+        device = torch.device(self.world.device if self.world.size > 1 else self.args.device)
+        here = next(model.parameters()).device
+        same = here.type == device.type and (device.index is None or here.index == device.index)
+        return model if same else copy.deepcopy(model).to(device)
 
     @staticmethod
     def load(template: nn.Module, state_dict: dict) -> nn.Module:
