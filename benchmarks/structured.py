@@ -25,7 +25,7 @@ import torch
 
 from hf_sms import apply_masks, compute_masks, shrink
 from hf_sms.runtime import time_pair
-from hf_sms.shrink import parameter_count
+from hf_sms.shrinking import parameter_count
 
 DRY = False  # --dry-run: every model a few layers wide (a check on a CPU that each step runs)
 

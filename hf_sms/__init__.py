@@ -1,83 +1,65 @@
-"""hf-sms: Sparse Model Soups (Zimmer, Spiegel, Pokutta; ICLR 2024) for the Hugging Face ecosystem."""
+"""hf-sms: Sparse Model Soups (Zimmer, Spiegel, Pokutta; ICLR 2024) for the Hugging Face ecosystem.
 
-from . import baselines, methods, soup  # noqa: F401  (registering every soup, method and baseline)
-from .arguments import SparseSoupSeq2SeqConfig, sparse_config
-from .batchnorm import recalibrate_batchnorm
-from .checkpoint import load_sparse, save_sparse, transformers_integration
-from .checkpoint.families import register_family
-from .config import SparseSoupArguments, SparseSoupConfig
-from .hub import push_to_hub
-from .loop.sms import SparseModelSoup, run_sms
-from .methods.common import MethodContext
-from .phase import PhaseSpec
-from .plan import PruningPlan, compute_masks, prune, resolve_pruning
-from .pruning import (
-    CriterionContext,
-    PruningStep,
-    UnitGroup,
-    apply_masks,
-    phase_sparsities,
-    prunable_tensors,
-    sparsity_report,
-)
-from .registry import (
-    ALLOCATIONS,
-    BASELINES,
-    CRITERIA,
-    PRUNING_METHODS,
-    RETRAIN_SCHEDULES,
-    SOUPS,
-    STRUCTURES,
-    Registry,
-)
-from .runtime import to_sparse_runtime
-from .shrink import shrink
-from .soup import greedy_soup, uniform_soup
-from .soup.method import SoupMethod
-from .trainer import SparseSoupMixin, SparseSoupSeq2SeqTrainer, SparseSoupTrainer
+Every public name is imported when first used (:mod:`hf_sms.lazy`): ``import hf_sms`` costs no torch import, and
+``AutoModel*.from_pretrained(dir)`` decodes bitmask checkpoints (registered when transformers' models load).
+"""
 
-transformers_integration.register()  # AutoModel*.from_pretrained(dir) decodes bitmask checkpoints
+import importlib
 
+from .lazy import lazy_exports, when_imported
+
+_EXPORTS = {
+    "SparseSoupSeq2SeqConfig": ".arguments",
+    "sparse_config": ".arguments",
+    "recalibrate_batchnorm": ".batchnorm",
+    "load_sparse": ".checkpoint.sparse",
+    "save_sparse": ".checkpoint.sparse",
+    "register_family": ".checkpoint.families",
+    "SparseSoupArguments": ".config",
+    "SparseSoupConfig": ".config",
+    "push_to_hub": ".hub",
+    "SparseModelSoup": ".loop.sms",
+    "run_sms": ".loop.sms",
+    "MethodContext": ".methods.common",
+    "PhaseSpec": ".phase",
+    "PruningPlan": ".plan.plan",
+    "compute_masks": ".plan.plan",
+    "prune": ".plan.plan",
+    "resolve_pruning": ".plan.plan",
+    "CriterionContext": ".pruning.criteria",
+    "PruningStep": ".pruning.masks",
+    "apply_masks": ".pruning.masks",
+    "phase_sparsities": ".pruning.masks",
+    "sparsity_report": ".pruning.masks",
+    "prunable_tensors": ".pruning.prunable",
+    "UnitGroup": ".pruning.units",
+    "ALLOCATIONS": ".registry",
+    "BASELINES": ".registry",
+    "CRITERIA": ".registry",
+    "PRUNING_METHODS": ".registry",
+    "RETRAIN_SCHEDULES": ".registry",
+    "SOUPS": ".registry",
+    "STRUCTURES": ".registry",
+    "Registry": ".registry",
+    "to_sparse_runtime": ".runtime.convert",
+    "shrink": ".shrinking.shrink",
+    "greedy_soup": ".soup.soup",
+    "uniform_soup": ".soup.soup",
+    "SoupMethod": ".soup.method",
+    "SparseSoupMixin": ".trainer",
+    "SparseSoupSeq2SeqTrainer": ".trainer",
+    "SparseSoupTrainer": ".trainer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
-__all__ = [
-    "ALLOCATIONS",
-    "BASELINES",
-    "CRITERIA",
-    "PRUNING_METHODS",
-    "RETRAIN_SCHEDULES",
-    "SOUPS",
-    "STRUCTURES",
-    "CriterionContext",
-    "MethodContext",
-    "PhaseSpec",
-    "PruningPlan",
-    "PruningStep",
-    "Registry",
-    "SoupMethod",
-    "SparseModelSoup",
-    "SparseSoupArguments",
-    "SparseSoupConfig",
-    "SparseSoupMixin",
-    "SparseSoupSeq2SeqConfig",
-    "SparseSoupSeq2SeqTrainer",
-    "SparseSoupTrainer",
-    "apply_masks",
-    "compute_masks",
-    "greedy_soup",
-    "load_sparse",
-    "phase_sparsities",
-    "prunable_tensors",
-    "prune",
-    "push_to_hub",
-    "recalibrate_batchnorm",
-    "run_sms",
-    "save_sparse",
-    "register_family",
-    "resolve_pruning",
-    "shrink",
-    "sparse_config",
-    "sparsity_report",
-    "to_sparse_runtime",
-    "UnitGroup",
-    "uniform_soup",
-]
+
+
+def _register_with_transformers() -> None:
+    importlib.import_module(".checkpoint.transformers_integration", __name__).register()
+
+
+# AutoModel*.from_pretrained(dir) decodes bitmask checkpoints: registered once the module that defines
+# from_pretrained has loaded (with it transformers' quantizers), not before, so importing hf_sms imports neither
+# torch nor transformers.
+when_imported("transformers.modeling_utils", _register_with_transformers)

@@ -1,10 +1,9 @@
-"""``hf-sms merge``, ``hf-sms inspect`` and ``hf-sms speed``: argument parsing and printing over
-:mod:`hf_sms.checkpoint` and :mod:`hf_sms.runtime`."""
+"""``hf-sms merge``, ``hf-sms convert`` and ``hf-sms speed`` (their arguments: :mod:`hf_sms.cli`): what they run
+over :mod:`hf_sms.checkpoint` and :mod:`hf_sms.runtime`, and what they print."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -13,77 +12,23 @@ import torch
 from accelerate import init_empty_weights
 
 from .checkpoint import (
-    FORMATS,
     SparseCheckpoint,
-    inspect_checkpoint,
     load_sparse,
     merge_checkpoints,
-    streaming_methods,
 )
 from .checkpoint.folder import read_sparsity
 from .checkpoint.merge import convert_checkpoint
 from .runtime.speed import format_measured, measure_speedup, time_smaller
-from .shrink.shrink import dense_shaped
+from .shrinking.shrink import dense_shaped
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.2f} MB"
-
-
-def format_report(report: dict) -> str:
-    """The text of ``hf-sms inspect`` for a report of :func:`hf_sms.checkpoint.inspect_checkpoint`."""
-    ratio = report["dense_weights_bytes"] / max(report["weights_bytes"], 1)
-    lines = [
-        f"directory:    {report['directory']}",
-        f"model:        {report['library']} {report['architecture']}",
-        f"format:       {report['format']}",
-        f"size on disk: {_mb(report['size_on_disk'])} (weights {_mb(report['weights_bytes'])}, dense equivalent "
-        f"{_mb(report['dense_weights_bytes'])}: {ratio:.1f}x compression)",
-        f"sparsity:     {100 * report['sparsity']:.2f}% of {report['numel']:,} prunable weights "
-        f"({report['nnz']:,} kept), mask {report['mask_hash']}, measured from the weights",
-    ]
-    if report["integrity"] == "verified":
-        lines.append(
-            f"integrity:    verified (every tensor read against its checksum; file manifest: {report['manifest']})"
-        )
-    else:
-        lines.append("ERROR:        the stored bytes are corrupted; re-download the folder, or re-save it:")
-        lines += [f"              - {p}" for p in report["integrity"]]
-    if report["mismatches"]:
-        lines.append("WARNING:      sparsity.json does not match the stored weights (edited by hand, or weights from")
-        lines.append("              another save); the figures here are measured. Re-save the checkpoint to fix it.")
-        lines += [f"              - {m}" for m in report["mismatches"]]
-    for key in ("recipe", "metrics"):
-        if report.get(key):
-            lines.append(f"{key + ':':<13} {json.dumps(report[key])}")
-    if report.get("how_to_load"):
-        lines.append("how to load:")
-        lines += [f"    {line}" if line else "" for line in report["how_to_load"].splitlines()]
-    rows = report["per_tensor"]
-    if rows:
-        width = max(len(n) for n in rows)
-        lines.append(f"\n{'tensor':<{width}}  {'shape':<20} {'sparsity':>9}  codec")
-        for name, t in rows.items():
-            shape = "x".join(map(str, t["shape"]))
-            lines.append(f"{name:<{width}}  {shape:<20} {100 * t['sparsity']:>8.2f}%  {t['codec']}")
-    return "\n".join(lines)
-
-
-def _run_merge(args: argparse.Namespace) -> int:
+def run_merge(args: argparse.Namespace) -> int:
     info = merge_checkpoints(args.inputs, args.output, args.method, args.format, args.overwrite, args.weights)
     print(f"merged {len(args.inputs)} checkpoints into {args.output} ({args.format}, sparsity {info['sparsity']:.4f})")
     return 0
 
 
-def _run_inspect(args: argparse.Namespace) -> int:
-    report = inspect_checkpoint(args.directory)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    if report["integrity"] != "verified" or report["mismatches"]:
-        return 1  # a script checking a download sees it fail
-    return 0
-
-
-def _run_convert(args: argparse.Namespace) -> int:
+def run_convert(args: argparse.Namespace) -> int:
     convert_checkpoint(args.directory, args.output, args.format, args.overwrite)
     print(f"{args.output}: {args.format} copy of {args.directory}")
     return 0
@@ -168,7 +113,8 @@ def _peak_mb(directory: str, mode: str, args: argparse.Namespace) -> float | Non
     return after - before
 
 
-def _run_speed(args: argparse.Namespace) -> int:
+def run_speed(args: argparse.Namespace) -> int:
+    args.threads = torch.get_num_threads() if args.threads is None else args.threads
     for name in ("threads", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
@@ -200,67 +146,3 @@ def _run_speed(args: argparse.Namespace) -> int:
                 f"vs {runtime:.0f} MB runtime (load_sparse(runtime={args.layout!r}))"
             )
     return 0
-
-
-def _guarded(run):
-    def func(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except ValueError as e:
-            print(f"hf-sms {args.command}: error: {e}", file=sys.stderr)
-            return 2
-
-    return func
-
-
-def add_parsers(subparsers) -> None:
-    """Add the ``merge``, ``convert``, ``inspect`` and ``speed`` subcommands to an ``argparse`` subparsers object."""
-    p = subparsers.add_parser(
-        "merge",
-        help="average checkpoint folders into a soup, streaming tensor by tensor",
-        description="Uniform soup of checkpoints retrained under the same mask (e.g. hf-sms merge r1 r2 r3 "
-        "--output soup). Greedy soups need an evaluation function: use hf_sms.greedy_soup in Python.",
-    )
-    p.add_argument("inputs", nargs="+", metavar="DIR", help="checkpoint folders (save_sparse or save_pretrained)")
-    p.add_argument(
-        "--method", default="uniform", help=f"a soup method needing no validation data: {streaming_methods()}"
-    )
-    p.add_argument("--weights", type=float, nargs="+", help="one positive weight per input (normalised to sum 1)")
-    p.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (not one of the inputs)")
-    p.add_argument("--format", default="bitmask", choices=FORMATS, help="output format (default: bitmask)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    p.set_defaults(func=_guarded(_run_merge))
-
-    c = subparsers.add_parser(
-        "convert",
-        help="re-save a checkpoint folder in another format (dense: a plain copy that loads without hf-sms)",
-    )
-    c.add_argument("directory", metavar="DIR")
-    c.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (not the input)")
-    c.add_argument("--format", default="dense", choices=FORMATS, help="output format (default: dense)")
-    c.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    c.set_defaults(func=_guarded(_run_convert))
-
-    q = subparsers.add_parser("inspect", help="format, size, measured sparsity and recipe of a checkpoint folder")
-    q.add_argument("directory", metavar="DIR")
-    q.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    q.set_defaults(func=_guarded(_run_inspect))
-
-    r = subparsers.add_parser(
-        "speed",
-        help="latency and memory of a saved soup, dense vs the sparse runtime",
-        description="Loads the checkpoint, times it dense against hf_sms.to_sparse_runtime on a random input of "
-        "the given shape (interleaved repeats, medians), and measures peak memory of each in a fresh process.",
-    )
-    r.add_argument("directory", metavar="DIR")
-    r.add_argument("--batch-size", type=int, default=1)
-    r.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (text models)")
-    r.add_argument("--image-size", type=int, default=None, help="image side (vision models; default: the model's)")
-    r.add_argument("--threads", type=int, default=torch.get_num_threads())
-    r.add_argument("--layout", default="auto", choices=["auto", "csr"])
-    r.add_argument("--repeats", type=int, default=7)
-    r.add_argument("--no-memory", action="store_true", help="skip the two fresh-process memory measurements")
-    r.add_argument(
-        "--peak-of", choices=["dense", "auto", "csr", "smaller", "dense-shapes"], help=argparse.SUPPRESS
-    )  # the memory child
-    r.set_defaults(func=_guarded(_run_speed))

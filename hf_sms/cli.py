@@ -1,72 +1,101 @@
-"""The ``hf-sms`` command: ``demo``, ``table``, ``timeline``, ``merge``, ``inspect``."""
+"""The ``hf-sms`` command: every subcommand's arguments, and its code imported only when it runs.
+
+``hf-sms --help`` and ``hf-sms inspect`` start without torch (:mod:`hf_sms.lazy`): each subcommand names the
+function that runs it (``module:function``), imported after the arguments parse. A ``ValueError`` is the user's
+input: printed as ``hf-sms CMD: error: ...`` with exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import importlib
 import sys
 
-from . import checkpoint_cli, demo
-from .results import format_table, plot_timeline, reported_tests, speedup_report, timeline
+FORMATS = ("bitmask", "dense")  # hf_sms.checkpoint.constants.FORMATS; tests/test_house.py keeps them equal
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-sms", description="Sparse Model Soups for the Hugging Face ecosystem.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo.add_parser(sub)
+    p = sub.add_parser("demo", help="SMS vs IMP on scikit-learn's digits, offline, in minutes on a CPU.")
+    p.add_argument("--output-dir", default="demo-output", help="Where results.json, results.png and the soup go.")
+    p.add_argument("--quick", action="store_true", help="A smaller setting (2 phases, m=2) for CI.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small layers gain nothing more).")
+    p.set_defaults(run="hf_sms.demo:command")
+
     p = sub.add_parser("table", help="Print Table-1 shaped tables from results.json files (mean ± std over runs).")
     p.add_argument("results", nargs="+", help="results.json of one or more runs of the same setting (e.g. seeds)")
     p.add_argument("--split", nargs="*", help="val, test or named test sets (default: every test set)")
-    p.set_defaults(func=_table)
+    p.set_defaults(run="hf_sms.results:table")
     p = sub.add_parser("timeline", help="Busy and idle time of every process of a run; draws RUN_DIR/timeline.png.")
     p.add_argument("run_dir", help="a run's output folder (holding results.json)")
-    p.set_defaults(func=_timeline)
-    checkpoint_cli.add_parsers(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    p.set_defaults(run="hf_sms.results:timeline_command")
+
+    p = sub.add_parser(
+        "merge",
+        help="average checkpoint folders into a soup, streaming tensor by tensor",
+        description="Uniform soup of checkpoints retrained under the same mask (e.g. hf-sms merge r1 r2 r3 "
+        "--output soup). Greedy soups need an evaluation function: use hf_sms.greedy_soup in Python.",
+    )
+    p.add_argument("inputs", nargs="+", metavar="DIR", help="checkpoint folders (save_sparse or save_pretrained)")
+    p.add_argument("--method", default="uniform", help="a soup method that needs no validation data (default: uniform)")
+    p.add_argument("--weights", type=float, nargs="+", help="one positive weight per input (normalised to sum 1)")
+    p.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (not one of the inputs)")
+    p.add_argument("--format", default="bitmask", choices=FORMATS, help="output format (default: bitmask)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.set_defaults(run="hf_sms.checkpoint_cli:run_merge")
+
+    p = sub.add_parser(
+        "convert",
+        help="re-save a checkpoint folder in another format (dense: a plain copy that loads without hf-sms)",
+    )
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (not the input)")
+    p.add_argument("--format", default="dense", choices=FORMATS, help="output format (default: dense)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.set_defaults(run="hf_sms.checkpoint_cli:run_convert")
+
+    p = sub.add_parser("inspect", help="format, size, measured sparsity and recipe of a checkpoint folder")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run="hf_sms.checkpoint.inspect:run_inspect")
+
+    p = sub.add_parser(
+        "speed",
+        help="latency and memory of a saved soup, dense vs the sparse runtime",
+        description="Loads the checkpoint, times it dense against hf_sms.to_sparse_runtime on a random input of "
+        "the given shape (interleaved repeats, medians), and measures peak memory of each in a fresh process.",
+    )
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (text models)")
+    p.add_argument("--image-size", type=int, default=None, help="image side (vision models; default: the model's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--layout", default="auto", choices=["auto", "csr"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-memory", action="store_true", help="skip the two fresh-process memory measurements")
+    p.add_argument(
+        "--peak-of", choices=["dense", "auto", "csr", "smaller", "dense-shapes"], help=argparse.SUPPRESS
+    )  # the memory child
+    p.set_defaults(run="hf_sms.checkpoint_cli:run_speed")
+    return parser
 
 
-def _read(command: str, path: str) -> dict | None:
+def command(name: str):
+    """The function a subcommand's ``run`` names (``"module:function"``), imported now."""
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"hf-sms {command}: error: {path} is not a readable results.json ({e}); was its run killed while "
-              "writing? Leave it out or rerun that run", file=sys.stderr)  # fmt: skip
-        return None
-
-
-def _table(args) -> int:
-    runs = [_read("table", path) for path in args.results]
-    if None in runs:
-        return 2
-    for split in args.split or reported_tests(runs[0]):
-        print(f"{split}:\n{format_table(runs, split)}\n")
-    print(speedup_report(runs))
-    return 0
-
-
-def _timeline(args) -> int:
-    run = _read("timeline", os.path.join(args.run_dir, "results.json"))
-    if run is None:
-        return 2
-    try:
-        rows = timeline(run)
+        return int(command(args.run)(args) or 0)
     except ValueError as e:
-        print(f"hf-sms timeline: error: {e}", file=sys.stderr)
+        print(f"hf-sms {args.command}: error: {e}", file=sys.stderr)
         return 2
-    world = run["world"]
-    print(f"{world['processes']} process(es) in {world['groups']} group(s), {world['seconds']:.1f} s")
-    print(f"{'rank':>4} {'group':>5} {'jobs':>4} {'training s':>10} {'waiting s':>9} {'shared s':>8} {'idle':>6}")
-    for r in rows:
-        print(f"{r['rank']:>4} {r['group'] if r['group'] is not None else '-':>5} {r['jobs']:>4} {r['train_s']:>10.1f} "
-              f"{r['wait_s']:>9.1f} {r['shared_s']:>8.1f} {100 * r['idle']:>5.1f}%")  # fmt: skip
-    picture = os.path.join(args.run_dir, "timeline.png")
-    plot_timeline(run, picture)
-    print(f"wrote {picture}")
-    return 0
 
 
 if __name__ == "__main__":

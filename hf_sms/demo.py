@@ -128,10 +128,7 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0, threads: int =
     return results
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="SMS vs IMP on scikit-learn's digits, offline, in minutes on a CPU.")
-    p.add_argument("--output-dir", default="demo-output", help="Where results.json, results.png and the soup go.")
-    p.add_argument("--quick", action="store_true", help="A smaller setting (2 phases, m=2) for CI.")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small layers gain nothing more).")
-    p.set_defaults(func=lambda a: run_demo(a.output_dir, a.quick, a.seed, a.threads) and 0)
+def command(args) -> int:
+    """``hf-sms demo`` (its arguments: :mod:`hf_sms.cli`)."""
+    run_demo(args.output_dir, args.quick, args.seed, args.threads)
+    return 0

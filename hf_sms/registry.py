@@ -36,13 +36,15 @@ class Registry(Generic[T]):
     Args:
         kind: what the entries are, for messages ("allocation", "soup method", ...).
         hint: appended to the "unknown" message, e.g. how to write a pattern.
+        home: the module whose import registers the built-in entries; imported on the first lookup (``import
+            hf_sms`` imports nothing, :mod:`hf_sms.lazy`), so a table is never seen half empty.
 
     ``parse``, set by the module that owns the patterns: ``parse(name) -> object | None`` for names that are
     patterns rather than entries (the n:m allocations, ``"2:4"``); tried before the table.
     """
 
-    def __init__(self, kind: str, hint: str = ""):
-        self.kind, self.hint = kind, hint
+    def __init__(self, kind: str, hint: str = "", home: str | None = None):
+        self.kind, self.hint, self._home = kind, hint, home
         self.parse: Callable[[str], T | None] | None = None
         self._entries: dict[str, Entry[T]] = {}
 
@@ -64,12 +66,22 @@ class Registry(Generic[T]):
         self._entries[name] = Entry(name, obj, meta, check)
         return obj
 
+    def _load(self) -> None:
+        home, self._home = self._home, None  # before the import: its own lookups must not import it again
+        if home is not None:
+            try:
+                importlib.import_module(home)
+            except BaseException:
+                self._home = home
+                raise
+
     def remove(self, name: str) -> T:
         """Take an entry out again (a plugin or a test that registered one)."""
         return self._entries.pop(name).obj
 
     def get(self, name: str) -> T:
         """The entry called ``name``, or a ``ValueError`` naming the choices."""
+        self._load()
         if self.parse is not None:
             parsed = self.parse(name)
             if parsed is not None:
@@ -81,6 +93,7 @@ class Registry(Generic[T]):
 
     def meta(self, name: str) -> dict:
         """The metadata ``name`` was registered with (``{}`` for a parsed pattern)."""
+        self._load()
         return self._entries[name].meta if name in self._entries else {}
 
     def check(self, name: str, config) -> None:
@@ -91,24 +104,30 @@ class Registry(Generic[T]):
             entry.check(config)
 
     def names(self) -> list[str]:
+        self._load()
         return sorted(self._entries)
 
     def __contains__(self, name) -> bool:
+        self._load()
         return name in self._entries
 
     def __getitem__(self, name: str) -> T:
         return self.get(name)
 
     def __iter__(self) -> Iterator[str]:
+        self._load()
         return iter(self._entries)
 
     def __len__(self) -> int:
+        self._load()
         return len(self._entries)
 
     def items(self):
+        self._load()
         return [(n, e.obj) for n, e in self._entries.items()]
 
     def values(self):
+        self._load()
         return [e.obj for e in self._entries.values()]
 
     def __repr__(self) -> str:
@@ -123,15 +142,17 @@ def import_submodules(package: str, path: Iterable[str]) -> None:
 
 
 # -- the tables -------------------------------------------------------------------------------------------------
-# Declared here, filled where each piece lives (importing ``hf_sms`` imports them all), so the config validates
-# against them without importing the pieces and nothing imports in a circle.
-ALLOCATIONS: Registry = Registry("allocation", hint="or 'n:m' (e.g. '2:4')")  # hf_sms.pruning.allocations
-RETRAIN_SCHEDULES: Registry = Registry("retraining schedule")  # hf_sms.schedules
-PRETRAIN_SHAPES: Registry = Registry("original LR schedule shape")  # hf_sms.schedules
-SOUPS: Registry = Registry("soup method")  # hf_sms.soup: one file per soup
-PRUNING_METHODS: Registry = Registry("pruning method", hint="or 'imp' (the SMS loop)")  # hf_sms.methods: one file each
-BASELINES: Registry = Registry("baseline")  # hf_sms.baselines
-CRITERIA: Registry = Registry("pruning criterion")  # hf_sms.pruning.criteria
+# Declared here, filled where each piece lives (the home module, imported on the first lookup), so the config
+# validates against them without importing the pieces and nothing imports in a circle.
+ALLOCATIONS: Registry = Registry("allocation", hint="or 'n:m' (e.g. '2:4')", home="hf_sms.pruning.allocations")
+RETRAIN_SCHEDULES: Registry = Registry("retraining schedule", home="hf_sms.schedules")
+PRETRAIN_SHAPES: Registry = Registry("original LR schedule shape", home="hf_sms.schedules")
+SOUPS: Registry = Registry("soup method", home="hf_sms.soup")
+PRUNING_METHODS: Registry = Registry("pruning method", hint="or 'imp' (the SMS loop)", home="hf_sms.methods")
+BASELINES: Registry = Registry("baseline", home="hf_sms.baselines")
+CRITERIA: Registry = Registry("pruning criterion", home="hf_sms.pruning.criteria")
 STRUCTURES: Registry = Registry(
-    "pruning structure", hint="or 'n:m' (e.g. '2:4'), or several joined by '+' (e.g. 'neurons+heads')"
-)  # hf_sms.plan.structures
+    "pruning structure",
+    hint="or 'n:m' (e.g. '2:4'), or several joined by '+' (e.g. 'neurons+heads')",
+    home="hf_sms.plan.structures",
+)

@@ -1,10 +1,12 @@
-"""Results of SMS runs: results.json, a table shaped like the paper's Table 1, and a plot."""
+"""Results of SMS runs: results.json, a table shaped like the paper's Table 1, a plot, a timeline of the processes,
+and the ``hf-sms table`` / ``hf-sms timeline`` commands that print them."""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import sys
 
 from .runtime.speed import format_measured
 
@@ -218,3 +220,47 @@ def plot_timeline(run: dict, path: str) -> None:
     fig.savefig(path + ".tmp.png", dpi=120)
     plt.close(fig)
     os.replace(path + ".tmp.png", path)
+
+
+# -- hf-sms table, hf-sms timeline (their arguments: hf_sms.cli) --------------------------------------------------
+def _read(command: str, path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"hf-sms {command}: error: {path} is not a readable results.json ({e}); was its run killed while "
+              "writing? Leave it out or rerun that run", file=sys.stderr)  # fmt: skip
+        return None
+
+
+def table(args) -> int:
+    """``hf-sms table RESULTS... [--split ...]``."""
+    runs = [_read("table", path) for path in args.results]
+    if None in runs:
+        return 2
+    for split in args.split or reported_tests(runs[0]):
+        print(f"{split}:\n{format_table(runs, split)}\n")
+    print(speedup_report(runs))
+    return 0
+
+
+def timeline_command(args) -> int:
+    """``hf-sms timeline RUN_DIR``."""
+    run = _read("timeline", os.path.join(args.run_dir, "results.json"))
+    if run is None:
+        return 2
+    try:
+        rows = timeline(run)
+    except ValueError as e:
+        print(f"hf-sms timeline: error: {e}", file=sys.stderr)
+        return 2
+    world = run["world"]
+    print(f"{world['processes']} process(es) in {world['groups']} group(s), {world['seconds']:.1f} s")
+    print(f"{'rank':>4} {'group':>5} {'jobs':>4} {'training s':>10} {'waiting s':>9} {'shared s':>8} {'idle':>6}")
+    for r in rows:
+        print(f"{r['rank']:>4} {r['group'] if r['group'] is not None else '-':>5} {r['jobs']:>4} {r['train_s']:>10.1f} "
+              f"{r['wait_s']:>9.1f} {r['shared_s']:>8.1f} {100 * r['idle']:>5.1f}%")  # fmt: skip
+    picture = os.path.join(args.run_dir, "timeline.png")
+    plot_timeline(run, picture)
+    print(f"wrote {picture}")
+    return 0

@@ -22,9 +22,9 @@ from .arguments import as_sparse_arguments, sparse_config
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
 from .checkpoint.constants import CARD_NAME, MASKS_NAME
-from .checkpoint.families import family_of_model
-from .checkpoint.masks import load_pruning_step, save_masks
+from .checkpoint.sparse import family_of_model
 from .checkpoint.trainer_card import merge_trainer_card
+from .checkpoint.trainer_masks import load_pruning_step, save_masks
 from .config import LR_SCHEDULES
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
 from .pruning.masks import PruningStep, apply_masks

@@ -12,7 +12,7 @@ from conftest import float_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_sms.checkpoint import codec
+from hf_sms.checkpoint import index_format
 from hf_sms.checkpoint.codec import (
     BITMASK,
     DENSE,
@@ -92,11 +92,11 @@ def test_corrupted_index_or_values_raise_value_error():
 
 @contextlib.contextmanager
 def _chunk_bits(bits: int):
-    old, codec.CHUNK_BITS = codec.CHUNK_BITS, bits
+    old, index_format.CHUNK_BITS = index_format.CHUNK_BITS, bits
     try:
         yield
     finally:
-        codec.CHUNK_BITS = old
+        index_format.CHUNK_BITS = old
 
 
 @settings(max_examples=80, deadline=None)

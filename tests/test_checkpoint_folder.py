@@ -11,8 +11,9 @@ from conftest import TinyCNN, make_cnn, make_resnet, make_t5
 
 from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
 from hf_sms.checkpoint import FAMILIES, FORMAT_VERSION, Family, merge_checkpoints, register_family
-from hf_sms.checkpoint.families import family_of_config, family_of_model
+from hf_sms.checkpoint.families import family_of_config
 from hf_sms.checkpoint.folder import atomic_folder, check_target
+from hf_sms.checkpoint.sparse import family_of_model
 
 
 def _files(root) -> dict[str, bytes]:

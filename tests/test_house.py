@@ -115,3 +115,48 @@ def test_a_new_file_in_a_registering_package_needs_no_import_line(tmp_path, monk
     for pkg in ("soup", "methods", "baselines"):
         source = (PACKAGE / pkg / "__init__.py").read_text()
         assert "import_submodules(__name__, __path__)" in source, pkg
+
+
+LAZY_PACKAGES = ("hf_sms", "hf_sms.checkpoint")
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_every_lazy_name_resolves_and_none_is_a_submodule(package):
+    """A lazy package's table names where each public name lives; a name that were also a submodule's would be
+    replaced by the submodule whenever that submodule is imported first (``hf_sms.shrink``: the function, not the
+    package, which is therefore ``hf_sms.shrinking``)."""
+    import importlib
+
+    pkg = importlib.import_module(package)
+    for name, module in pkg._EXPORTS.items():
+        assert f"{package}.{name}" not in MODULES, f"{package}.{name} is a public name and a submodule"
+        defined = getattr(importlib.import_module(module, package), name)
+        assert getattr(pkg, name) is defined, name
+    assert set(pkg._EXPORTS) <= set(pkg.__all__) and set(pkg._EXPORTS) <= set(dir(pkg))
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        pkg.nope  # noqa: B018
+
+
+def test_every_registry_fills_itself_on_its_first_lookup():
+    """``import hf_sms`` imports no piece: each table imports its home on first use, so a lookup through a
+    submodule (``from hf_sms.registry import SOUPS``) never sees it half empty."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from hf_sms.registry import SOUPS, BASELINES, STRUCTURES, ALLOCATIONS, CRITERIA\n"
+        "assert 'hf_sms.soup' not in sys.modules\n"
+        "assert 'greedy' in SOUPS and 'imp' in BASELINES and STRUCTURES.get('2:4') and ALLOCATIONS.get('2:4')\n"
+        "assert 'magnitude' in CRITERIA.names()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+def test_every_command_names_a_function_and_the_formats_agree():
+    from hf_sms import cli
+    from hf_sms.checkpoint.constants import FORMATS
+
+    assert cli.FORMATS == FORMATS
+    subcommands = next(a for a in cli._parser()._actions if a.dest == "command").choices
+    for name, parser in subcommands.items():
+        assert callable(cli.command(parser.get_default("run"))), name

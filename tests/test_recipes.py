@@ -331,7 +331,7 @@ def test_pretrain_follows_the_pretrain_shape_and_is_reused(tmp_path):
 
 
 def test_cifar_models():
-    from hf_sms.checkpoint.families import family_of_model
+    from hf_sms.checkpoint.sparse import family_of_model
 
     cifar = _recipe("cifar")
     resnet = cifar.build_model(cifar.ModelArguments(), 10)  # timm's resnet18 with the CIFAR stem

@@ -171,7 +171,7 @@ def test_state_dict_round_trips_into_the_runtime():
 @pytest.mark.parametrize("case", list(CASES))
 def test_load_sparse_builds_the_runtime_from_stored_positions(tmp_path, case, monkeypatch):
     from hf_sms import load_sparse, save_sparse
-    from hf_sms.checkpoint import SparseCheckpoint, codec
+    from hf_sms.checkpoint import SparseCheckpoint, index_format
 
     make, sample = CASES[case]
     dense = _pruned(make())
@@ -181,7 +181,7 @@ def test_load_sparse_builds_the_runtime_from_stored_positions(tmp_path, case, mo
     monkeypatch.setattr(SparseCheckpoint, "read", lambda self, name: read_dense.append(name) or original(self, name))
     template = _mlp(seed=5) if case == "mlp" else None  # plain torch needs a template
     with monkeypatch.context() as patch:  # indices decoded in many chunks; masks verified against the hash
-        patch.setattr(codec, "CHUNK_BITS", 64)
+        patch.setattr(index_format, "CHUNK_BITS", 64)
         runtime = load_sparse(str(tmp_path / "ckpt"), template, runtime="csr")
     sparse = {n: m for n, m in runtime.named_modules() if isinstance(m, (SparseLinear, SparseConv2d))}
     assert sparse and not [n for n in read_dense if n.removesuffix(".weight") in sparse]  # never read dense

@@ -14,7 +14,7 @@ from zoo import ZOO
 import hf_sms
 from hf_sms import apply_masks, compute_masks, shrink
 from hf_sms.pruning import trace_units
-from hf_sms.shrink import parameter_count
+from hf_sms.shrinking import parameter_count
 
 STATED = sorted(n for n, e in ZOO.items() if e.kinds and e.loader)  # families that load without hf-sms
 

@@ -15,7 +15,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from hf_sms import PruningStep, SparseSoupConfig, SparseSoupTrainer, compute_masks, prunable_tensors, prune
 from hf_sms.checkpoint.constants import MASKS_NAME
-from hf_sms.checkpoint.masks import load_masks, save_masks
+from hf_sms.checkpoint.trainer_masks import load_masks, save_masks
 from hf_sms.seeding import derive_seed
 
 MODELS = {"t5": make_t5, "resnet": make_resnet, "cnn": make_cnn}

@@ -572,7 +572,7 @@ def _claiming(values: torch.Tensor, positions, shape) -> torch.Tensor:
     crc = zlib.crc32(codec._bytes_of(values))
     for part in payload:
         crc = zlib.crc32(part, crc)
-    head = codec._HEAD.pack(codec._MAGIC, codec.FORMAT_VERSION, codec.ELIAS_FANO, k, len(shape), len(pos), ubits, crc)
+    head = codec.HEAD.pack(codec.MAGIC, codec.FORMAT_VERSION, codec.ELIAS_FANO, k, len(shape), len(pos), ubits, crc)
     dims = np.asarray(shape, dtype="<u8").view(np.uint8)
     return torch.from_numpy(np.concatenate([np.frombuffer(head, np.uint8), dims, *payload]))
 

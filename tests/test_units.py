@@ -13,7 +13,7 @@ from zoo import ZOO
 
 from hf_sms import apply_masks, compute_masks, shrink
 from hf_sms.pruning import removed_units, trace_units
-from hf_sms.shrink import parameter_count
+from hf_sms.shrinking import parameter_count
 
 FAST = settings(max_examples=25, deadline=None)
 

@@ -20,29 +20,21 @@ timm, smp, plain torch), ``reader`` (:class:`SparseCheckpoint`), ``sparse`` (sav
 ``inspect``, ``transformers_integration`` and ``prefetch``.
 """
 
+from ..lazy import lazy_exports
 from .constants import FORMAT_VERSION, FORMATS, INDEX_SUFFIX, SPARSITY_NAME, WEIGHTS_NAME
-from .families import FAMILIES, Family, family_of_model, register_family
-from .inspect import inspect_checkpoint
-from .masks import eligible
-from .merge import merge_checkpoints, streaming_methods
-from .reader import SparseCheckpoint
-from .sparse import load_sparse, save_sparse
 
-__all__ = [
-    "FAMILIES",
-    "FORMATS",
-    "FORMAT_VERSION",
-    "INDEX_SUFFIX",
-    "SPARSITY_NAME",
-    "WEIGHTS_NAME",
-    "Family",
-    "SparseCheckpoint",
-    "eligible",
-    "family_of_model",
-    "inspect_checkpoint",
-    "load_sparse",
-    "merge_checkpoints",
-    "register_family",
-    "streaming_methods",
-    "save_sparse",
-]
+_EXPORTS = {
+    "FAMILIES": ".families",
+    "Family": ".families",
+    "register_family": ".families",
+    "inspect_checkpoint": ".inspect",
+    "eligible": ".masks",
+    "merge_checkpoints": ".merge",
+    "streaming_methods": ".merge",
+    "SparseCheckpoint": ".reader",
+    "family_of_model": ".sparse",
+    "load_sparse": ".sparse",
+    "save_sparse": ".sparse",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = ["FORMATS", "FORMAT_VERSION", "INDEX_SUFFIX", "SPARSITY_NAME", "WEIGHTS_NAME", *sorted(_EXPORTS)]

@@ -1,31 +1,31 @@
-"""Per-tensor encoding: one tensor <-> its nonzero values and a uint8 index that places them.
-
-The index is a header (magic, version, codec, low-bit count k, ndim, nnz, unary bits, CRC-32) followed by
-the shape (ndim little-endian uint64) and the positions, in the smallest of three codes chosen per tensor:
-DENSE (all values, no positions), BITMASK (one bit per entry) and ELIAS_FANO (each position split into a
-unary-coded high part and k low bits stored as bit-planes: within a few percent of the entropy bound at
-high sparsity, and decoded without a prefix sum). The CRC-32 covers the values and the positions.
-"""
+"""Per-tensor encoding: one tensor <-> its nonzero values and a uint8 index that places them (the index format:
+:mod:`~hf_sms.checkpoint.index_format`)."""
 
 from __future__ import annotations
 
 import math
 import struct
 import zlib
-from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from .constants import FORMAT_VERSION
+from .index_format import (
+    BITMASK,
+    CODECS,
+    CRC_AT,
+    DENSE,
+    ELIAS_FANO,
+    HEAD,
+    MAGIC,
+    NDIM_AT,
+    check_values,
+    nbytes,
+    parse_index_bytes,
+    position_chunks,
+)
 
-DENSE, BITMASK, ELIAS_FANO = 0, 1, 2
-CHUNK_BITS = 1 << 18  # index bits decoded at a time (see position_chunks)
-CODECS = {DENSE: "dense", BITMASK: "bitmask", ELIAS_FANO: "elias-fano"}
-_MAGIC = b"HSMS"
-_HEAD = struct.Struct("<4sBBBBQQI")  # magic, version, codec, low bits k, ndim, nnz, unary bits, crc32
-_CRC_AT = _HEAD.size - 4
-_NDIM_AT = 7
 # Integer views of the same width let one numpy scatter place values of any float dtype (bf16 too).
 _INT_VIEW = {
     1: (torch.uint8, np.uint8),
@@ -33,10 +33,6 @@ _INT_VIEW = {
     4: (torch.int32, np.int32),
     8: (torch.int64, np.int64),
 }
-
-
-def _nbytes(nbits: int) -> int:
-    return (nbits + 7) // 8
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -54,7 +50,7 @@ def _elias_fano_k(numel: int, nnz: int) -> tuple[int, int]:
     best = None
     for k in range(max(0, k0 - 1), k0 + 2):
         ubits = nnz + ((numel - 1) >> k) + 1
-        size = _nbytes(ubits) + k * _nbytes(nnz)
+        size = nbytes(ubits) + k * nbytes(nnz)
         if best is None or size < best[0]:
             best = (size, k, ubits)
     return best[1], best[2]
@@ -94,8 +90,8 @@ def encode(
     k, ubits = _elias_fano_k(numel, nnz) if nnz else (0, 0)
     sizes = {
         DENSE: numel * bpv,
-        BITMASK: nnz * bpv + _nbytes(numel),
-        ELIAS_FANO: nnz * bpv + _nbytes(ubits) + k * _nbytes(nnz),
+        BITMASK: nnz * bpv + nbytes(numel),
+        ELIAS_FANO: nnz * bpv + nbytes(ubits) + k * nbytes(nnz),
     }
     codec = min(sizes, key=sizes.get) if codec is None else codec
     if codec == DENSE:
@@ -113,84 +109,15 @@ def encode(
     crc = zlib.crc32(_bytes_of(values))
     for part in payload:
         crc = zlib.crc32(part, crc)
-    head = _HEAD.pack(_MAGIC, FORMAT_VERSION, codec, k, len(shape), nnz, ubits, crc)
+    head = HEAD.pack(MAGIC, FORMAT_VERSION, codec, k, len(shape), nnz, ubits, crc)
     dims = np.asarray(shape, dtype="<u8").view(np.uint8)
     index = np.concatenate([np.frombuffer(head, np.uint8), dims, *payload])
     return values, torch.from_numpy(index)
 
 
 def parse_index(index: torch.Tensor, name: str) -> tuple[dict, np.ndarray]:
-    """Validate an index's header and sizes.
-
-    Args:
-        index: a ``W.sp_index`` tensor.
-        name: the tensor's name, for error messages.
-
-    Returns:
-        ``(header, positions payload)``; the header has ``codec``, ``k``, ``shape``, ``numel``, ``nnz``,
-        ``ubits`` and ``crc``. Raises ``ValueError`` naming the tensor if anything is off.
-    """
-    buf = index.detach().to("cpu").contiguous().numpy()
-    fix = f"The checkpoint is corrupted: re-save or re-download {name!r}'s file."
-    if buf.dtype != np.uint8 or buf.size < _HEAD.size:
-        raise ValueError(f"sparse index of {name!r} is too short or not uint8. {fix}")
-    magic, version, codec, k, ndim, nnz, ubits, crc = _HEAD.unpack(buf[: _HEAD.size].tobytes())
-    if magic != _MAGIC or codec not in CODECS:
-        raise ValueError(f"sparse index of {name!r} has no valid header. {fix}")
-    if version > FORMAT_VERSION:
-        raise ValueError(f"{name!r} uses sparse format version {version}; upgrade hf-sms (knows {FORMAT_VERSION})")
-    end = _HEAD.size + 8 * ndim
-    if buf.size < end:
-        raise ValueError(f"sparse index of {name!r} is truncated. {fix}")
-    shape = tuple(int(d) for d in buf[_HEAD.size : end].view("<u8"))
-    numel = math.prod(shape)
-    expected = {DENSE: 0, BITMASK: _nbytes(numel), ELIAS_FANO: _nbytes(ubits) + k * _nbytes(nnz)}[codec]
-    if buf.size - end != expected or nnz > numel:
-        raise ValueError(f"sparse index of {name!r} has {buf.size - end} payload bytes, expected {expected}. {fix}")
-    head = dict(codec=codec, k=k, shape=shape, numel=numel, nnz=nnz, ubits=ubits, crc=crc)
-    return head, buf[end:]
-
-
-def position_chunks(head: dict, payload: np.ndarray, name: str) -> Iterator[np.ndarray]:
-    """The flat positions (int64, increasing) of an index's stored values, a few hundred thousand at a time (none
-    for DENSE: every position is stored). A chunk's arrays stay in a core's cache, where whole-tensor passes
-    would go through memory several times. Raises ``ValueError`` on positions that do not add up, before
-    yielding any that are out of order or out of range."""
-    bad = f"sparse index of {name!r} is corrupted (positions do not add up); re-save or re-download the checkpoint"
-    if head["codec"] == DENSE:
-        return
-    numel, nnz, k, step = head["numel"], head["nnz"], head["k"], max(1, CHUNK_BITS // 8)
-    elias_fano = head["codec"] == ELIAS_FANO
-    end = _nbytes(head["ubits"]) if elias_fano else len(payload)  # where the bits scanned for ones end
-    done, last, plane = 0, -1, _nbytes(nnz)
-    low_type = np.uint8 if k <= 8 else np.int64
-    for at in range(0, end, step):
-        # flatnonzero on a bool view is an order of magnitude faster than on uint8
-        pos = np.flatnonzero(np.unpackbits(payload[at : min(at + step, end)], bitorder="little").view(bool))
-        n = len(pos)
-        if not n:
-            continue
-        if done + n > nnz:
-            raise ValueError(bad)
-        if not elias_fano:
-            pos += 8 * at
-        else:  # value done + i set unary bit (its high part) + done + i; its k low bits are in k bit-planes
-            pos += 8 * at - done
-            pos -= np.arange(n)
-            if k:
-                pos <<= k
-                low, skip = np.zeros(n, low_type), done % 8
-                for j in range(k):
-                    start = end + j * plane + done // 8
-                    bits = np.unpackbits(payload[start : start + (skip + n + 7) // 8], bitorder="little")
-                    low |= bits[skip : skip + n].astype(low_type, copy=False) << low_type(j)
-                pos |= low
-        if pos[0] <= last or pos[-1] >= numel or (n > 1 and not (pos[1:] > pos[:-1]).all()):
-            raise ValueError(bad)
-        done, last = done + n, pos[-1]
-        yield pos
-    if done != nnz:
-        raise ValueError(bad)
+    """:func:`~hf_sms.checkpoint.index_format.parse_index_bytes` of a ``W.sp_index`` tensor."""
+    return parse_index_bytes(index.detach().to("cpu").contiguous().numpy(), name)
 
 
 def verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict, torch.Tensor, np.ndarray]:
@@ -198,13 +125,7 @@ def verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict
     index; the positions are left encoded (see :func:`position_chunks`)."""
     head, payload = parse_index(index, name)
     values = values.detach().to("cpu").contiguous().reshape(-1)
-    if values.numel() != head["nnz"] or not values.is_floating_point():
-        raise ValueError(
-            f"{name!r} has {values.numel()} stored values of dtype {values.dtype} but its index expects "
-            f"{head['nnz']} floating-point values; the checkpoint is corrupted or mixes files of two saves."
-        )
-    if zlib.crc32(payload, zlib.crc32(_bytes_of(values))) != head["crc"]:
-        raise ValueError(f"checksum mismatch in {name!r}: the checkpoint file is corrupted; re-save or re-download it")
+    check_values(head, payload, _bytes_of(values), values.numel(), values.dtype, values.is_floating_point(), name)
     return head, values, payload
 
 
@@ -274,18 +195,18 @@ def restamp_index(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     head, payload = parse_index(index, "merged tensor")
     out = index.clone().numpy()
     crc = zlib.crc32(payload, zlib.crc32(_bytes_of(values)))
-    out[_CRC_AT : _HEAD.size] = np.frombuffer(struct.pack("<I", crc), np.uint8)
+    out[CRC_AT : HEAD.size] = np.frombuffer(struct.pack("<I", crc), np.uint8)
     return torch.from_numpy(out)
 
 
 def mask_part(index: torch.Tensor) -> bytes:
     """The bytes of an index that depend on the mask only (everything but the CRC)."""
     b = index.numpy().tobytes()
-    return b[:_CRC_AT] + b[_HEAD.size :]
+    return b[:CRC_AT] + b[HEAD.size :]
 
 
 def header_key(index: torch.Tensor) -> bytes:
     """The header and shape bytes of an index: equal for two tensors only if codec, shape, nnz and CRC agree."""
     buf = (index if index.device.type == "cpu" else index.cpu()).numpy()
-    ndim = int(buf[_NDIM_AT]) if buf.size >= _HEAD.size else 0
-    return buf[: _HEAD.size + 8 * ndim].tobytes()
+    ndim = int(buf[NDIM_AT]) if buf.size >= HEAD.size else 0
+    return buf[: HEAD.size + 8 * ndim].tobytes()

@@ -11,16 +11,15 @@ import copy
 import json
 import os
 import re
-from typing import Protocol
-
-from safetensors.torch import save_file
-from torch import nn
+from typing import TYPE_CHECKING, Protocol
 
 from ..registry import Registry
-from ..shrink.families import config_family
 from .constants import CONFIG_NAME, FORMAT_VERSION, QUANT_METHOD, QUANT_METHODS, WEIGHTS_NAME
 from .folder import read_json, write_json
 from .state import load_into, unique_tensors
+
+if TYPE_CHECKING:  # torch is imported where a model is built or saved: reading a folder's files needs none
+    from torch import nn
 
 
 class CheckpointInfo(Protocol):
@@ -50,7 +49,8 @@ class Family:
     computes_loss = False
 
     def detects(self, model: nn.Module) -> bool:
-        """Whether ``model`` belongs to this family."""
+        """Whether ``model`` belongs to this family. The built-in families are found through the library
+        :func:`hf_sms.shrinking.config_family` names; a family of another library claims its models here."""
         return False
 
     def prepare_training(self, model: nn.Module) -> None:
@@ -137,9 +137,6 @@ class TransformersFamily(Family):
     library = hub_library_name = "transformers"
     transformers_loadable = computes_loss = True
 
-    def detects(self, model):
-        return config_family(model).library == self.library
-
     def architecture_of_config(self, config):
         return (config.get("architectures") or [None])[0]
 
@@ -205,9 +202,6 @@ class TimmFamily(Family):
     library = hub_library_name = "timm"
     transformers_loadable = True  # as TimmWrapper, through AutoModelForImageClassification
 
-    def detects(self, model):
-        return config_family(model).library == self.library
-
     def architecture_of_config(self, config):
         return config.get("architecture") if "pretrained_cfg" in config else None
 
@@ -243,9 +237,6 @@ class SmpFamily(Family):
     library = "segmentation_models_pytorch"
     hub_library_name = "segmentation-models-pytorch"
 
-    def detects(self, model):
-        return config_family(model).library == self.library
-
     def prepare_training(self, model):
         if type(getattr(model, "_hub_mixin_config", None)) is dict:
             model._hub_mixin_config = _HubMixinConfig(model._hub_mixin_config)
@@ -263,6 +254,8 @@ class SmpFamily(Family):
         config = {k: v for k, v in (ckpt.config or {}).items() if not k.startswith("_")}
         if "encoder_weights" in config:
             config["encoder_weights"] = None  # the checkpoint has the weights; never download
+        from torch import nn
+
         cls = getattr(smp, str(ckpt.architecture), None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ValueError(f"{ckpt.directory}: architecture {ckpt.architecture!r} is not an smp model class")
@@ -280,6 +273,8 @@ class TorchFamily(Family):
     library = "torch"
 
     def save(self, model, folder):
+        from safetensors.torch import save_file
+
         tensors, aliases = unique_tensors(model)
         save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
         return f"{type(model).__module__}.{type(model).__qualname__}", aliases
@@ -295,8 +290,8 @@ FAMILIES: Registry = Registry("model library", hint="(a newer hf-sms wrote it? u
 
 
 def register_family(family: Family) -> Family:
-    """Add a family, under its ``library`` name (detection tries families in registration order; plain torch is
-    the fallback for anything no family claims)."""
+    """Add a family, under its ``library`` name (:func:`hf_sms.checkpoint.sparse.family_of_model` asks each one's
+    ``detects`` first, in registration order)."""
     return FAMILIES.add(family.library, family)
 
 
@@ -307,11 +302,6 @@ for _family in (TimmFamily(), SmpFamily(), TransformersFamily(), TorchFamily()):
 def get_family(library: str) -> Family:
     """The family named ``library`` (as written to ``sparsity.json``)."""
     return FAMILIES.get(library)
-
-
-def family_of_model(model: nn.Module) -> Family:
-    """The family of ``model``; plain torch for anything no other family claims."""
-    return next((f for f in FAMILIES.values() if f.detects(model)), FAMILIES["torch"])
 
 
 def family_of_config(config: dict | None) -> tuple[Family, str] | None:

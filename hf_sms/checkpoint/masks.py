@@ -1,25 +1,23 @@
-"""Which tensors are stored sparse, the mask statistics recorded in ``sparsity.json``, and the mask file of a
-trainer checkpoint."""
+"""Which tensors are stored sparse and the mask statistics recorded in ``sparsity.json``; numpy only (``hf-sms
+inspect`` measures with them without importing torch)."""
 
 from __future__ import annotations
 
 import hashlib
 import math
-import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-from ..pruning.masks import PruningStep
-from ..pruning.prunable import Masks
-from .constants import MASKS_NAME
-from .folder import checkpoint_file
+if TYPE_CHECKING:
+    import torch
+
+# safetensors' floating-point dtype names (a file read without torch names its dtypes so)
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 
-def eligible(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> bool:
+def eligible(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype | str) -> bool:
     """Whether a tensor is stored sparse in the bitmask format and counted in the sparsity.
 
     Every weight :func:`hf_sms.prunable_tensors` can return qualifies: linear, convolution and embedding
@@ -30,12 +28,13 @@ def eligible(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype)
     Args:
         name: the tensor's name in the weight file.
         shape: its shape.
-        dtype: its dtype.
+        dtype: its dtype: a torch dtype, or a safetensors dtype name (``"BF16"``).
 
     Returns:
         True for floating-point tensors of at least two dimensions whose name ends in ``weight``.
     """
-    return dtype.is_floating_point and len(shape) >= 2 and name.endswith("weight")
+    floating = dtype in FLOAT_DTYPES if isinstance(dtype, str) else dtype.is_floating_point
+    return floating and len(shape) >= 2 and name.endswith("weight")
 
 
 def _sparsity(nnz: int, numel: int) -> float:
@@ -62,7 +61,7 @@ class MaskStats:
             codec: how it is stored (``"dense"``, ``"bitmask"`` or ``"elias-fano"``).
             shape: its shape, if ``mask`` is flat.
         """
-        flat = (mask.numpy() if isinstance(mask, torch.Tensor) else mask).reshape(-1)
+        flat = np.asarray(mask).reshape(-1)  # a CPU torch tensor converts without a copy
         shape = shape if shape is not None else mask.shape
         self.add_digest(name, shape, int(np.count_nonzero(flat)), _mask_digest(flat), codec)
 
@@ -130,32 +129,3 @@ class MaskDigest:
         while self._start < self._numel:
             self._flush()
         return self._hash.digest()
-
-
-# -- the masks of a SparseSoupTrainer checkpoint ---------------------------------------------------------------
-def save_masks(masks: Masks, directory: str, step: PruningStep | None = None) -> None:
-    """Write a trainer checkpoint's masks (``sparse_masks.safetensors``), with ALLR's d and q of ``step``."""
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, MASKS_NAME + ".tmp")
-    metadata = {"format": "pt"}
-    if step is not None:  # ALLR's start rate depends on them, so a resumed run needs them back
-        metadata.update(norm_fraction=repr(step.norm_fraction), phase_fraction=repr(step.phase_fraction))
-    save_file({n: m.detach().cpu().contiguous() for n, m in masks.items()}, tmp, metadata=metadata)
-    os.replace(tmp, os.path.join(directory, MASKS_NAME))
-
-
-def load_masks(directory: str) -> Masks | None:
-    path = checkpoint_file(directory, MASKS_NAME)  # a regular file inside the folder, or None
-    return load_file(path) if path is not None else None
-
-
-def load_pruning_step(directory: str, fallback: PruningStep) -> PruningStep | None:
-    """The masks saved in ``directory`` with the step's ``d`` and ``q`` (``fallback``'s where not recorded)."""
-    masks = load_masks(directory)
-    if masks is None:
-        return None
-    with safe_open(os.path.join(directory, MASKS_NAME), "pt") as f:
-        meta = f.metadata() or {}
-    if "norm_fraction" not in meta:
-        return PruningStep(masks, fallback.norm_fraction, fallback.phase_fraction)
-    return PruningStep(masks, float(meta["norm_fraction"]), float(meta["phase_fraction"]))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,91 +10,16 @@ import torch
 from torch import nn
 
 from .codec import DENSE, decode_positions, decode_tensor, index_info, index_mask
-from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
-from .families import Family, family_of_config, get_family
-from .folder import PREVIOUS_SUFFIX, checkpoint_file, read_json, read_sparsity, restore_previous, weight_files
-from .integrity import check_manifest
+from .constants import INDEX_SUFFIX
+from .files import CheckpointFiles
 from .masks import MaskStats, eligible
 from .safetensors_io import SafetensorsFile, workers
 
-logger = logging.getLogger(__name__)
 
+class SparseCheckpoint(CheckpointFiles):
+    """A checkpoint folder (:class:`CheckpointFiles`), read as torch tensors by the names it was saved with."""
 
-class SparseCheckpoint:
-    """A checkpoint folder, read tensor by tensor by the names it was saved with.
-
-    Attributes:
-        info: the ``sparsity.json`` record, or ``None`` for a family's own save.
-        config: ``config.json``, if any.
-        family, library, architecture: the model family and the class it builds.
-        files: the :class:`SafetensorsFile` s holding the weights.
-        format: ``"bitmask"`` if any tensor is stored encoded, else ``"dense"``.
-    """
-
-    def __init__(self, directory: str):
-        if not os.path.isdir(directory) and os.path.isdir(os.path.abspath(directory) + PREVIOUS_SUFFIX):
-            restore_previous(directory)  # a save killed between its two renames: the old folder goes back
-            logger.warning(
-                "[hf-sms] %s was being replaced when a save was killed: restored the previous one", directory
-            )
-        if not os.path.isdir(directory):
-            raise ValueError(f"{directory} is not a directory")
-        self.directory = directory
-        self.info = read_sparsity(directory)
-        self.config = read_json(checkpoint_file(directory, CONFIG_NAME))
-        known = family_of_config(self.config)
-        if self.info is not None:
-            self.library, self.architecture = self.info.get("library"), self.info.get("architecture")
-        elif known is not None:
-            self.library, self.architecture = known[0].library, known[1]
-        else:
-            raise ValueError(
-                f"{directory} has neither {SPARSITY_NAME} nor a transformers/timm/smp {CONFIG_NAME}: not a model "
-                "checkpoint. Save one with hf_sms.save_sparse(model, directory)."
-            )
-        paths = weight_files(directory)
-        check_manifest(directory, self.info, paths)  # names and files bound to the folder, before anything is read
-        self.files = [SafetensorsFile(p) for p in paths]
-        self._where: dict[str, SafetensorsFile] = {}
-        for f in self.files:
-            for key in f.keys():
-                if key in self._where:
-                    raise ValueError(f"tensor {key!r} appears in two weight files of {directory}; re-save it")
-                self._where[key] = f
-        recorded = (self.info or {}).get("crc32") or {}  # a dense folder's checksums (the family's files)
-        if not isinstance(recorded, dict) or not all(isinstance(v, int) for v in recorded.values()):
-            raise ValueError(f"{directory}/{SPARSITY_NAME} has corrupted checksums; re-save the checkpoint")
-        for key, crc in recorded.items():
-            if key in self._where:
-                self._where[key].crcs.setdefault(key, crc)
-        self._names = [k for k in self._where if not k.endswith(INDEX_SUFFIX)]
-        for key in self._where:
-            if key.endswith(INDEX_SUFFIX) and key[: -len(INDEX_SUFFIX)] not in self._where:
-                raise ValueError(f"{directory}: {key!r} has no values tensor; the checkpoint is incomplete, re-save it")
-        self.format = "bitmask" if len(self._names) < len(self._where) else "dense"
-
-    @property
-    def cut_in_place(self) -> bool:
-        """A smaller model whose units were cut in place (its family's config cannot state its widths):
-        :func:`hf_sms.load_sparse` cuts the model the family or a template builds to the stored shapes first."""
-        shrunk = ((self.info or {}).get("recipe") or {}).get("shrunk")
-        return isinstance(shrunk, dict) and shrunk.get("saved") == "smaller" and shrunk.get("cut") == "in place"
-
-    @property
-    def family(self) -> Family:
-        return get_family(self.library)
-
-    @property
-    def aliases(self) -> dict[str, str] | None:
-        """``{name: kept name}`` of tensors stored once because they share storage."""
-        return (self.info or {}).get("aliases")
-
-    def names(self) -> list[str]:
-        """The tensors' names (an encoded tensor's index is not listed separately)."""
-        return list(self._names)
-
-    def is_encoded(self, name: str) -> bool:
-        return name + INDEX_SUFFIX in self._where
+    file_class = SafetensorsFile
 
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """``(shape, dtype)`` of the dense tensor (an encoded one's from its index header: nothing decoded)."""
@@ -189,21 +112,11 @@ def check_masks(ckpt: SparseCheckpoint, state_dict: dict[str, torch.Tensor] | No
     The masks come from ``state_dict`` (dense tensors), or from ``stats`` (digests a loader recorded while
     reading, e.g. from stored positions).
     """
-    expected = (ckpt.info or {}).get("mask_hash")
-    if not expected:
+    names = ckpt.hashed_names(n for n, t in (state_dict or {}).items() if eligible(n, t.shape, t.dtype))
+    if names is None:
         return
-    # The hash covers the tensors the saver counted; recomputing over the same names keeps checkpoints
-    # valid when the eligibility rule grows (e.g. MultiheadAttention's in_proj_weight).
-    recorded = (ckpt.info or {}).get("per_tensor")
-    names = (
-        list(recorded) if recorded is not None else [n for n, t in state_dict.items() if eligible(n, t.shape, t.dtype)]
-    )
     if stats is None:
         stats = MaskStats()
         for name in (n for n in names if n in state_dict):
             stats.add(name, state_dict[name] != 0, "")
-    if any(n not in stats.per_tensor for n in names) or stats.summary(names)["mask_hash"] != expected:
-        raise ValueError(
-            f"the weights of {ckpt.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
-            "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
-        )
+    ckpt.check_mask_hash(stats, names)

@@ -12,7 +12,6 @@ import json
 import math
 import mmap
 import os
-import struct
 import zlib
 
 import numpy as np
@@ -22,6 +21,7 @@ from safetensors.torch import save_file
 from . import codec
 from .constants import FORMAT_VERSION, INDEX_SUFFIX
 from .masks import MaskStats, eligible
+from .safetensors_raw import CRC_KEY, RawSafetensorsFile
 
 _DTYPES = {
     "F64": torch.float64,
@@ -37,9 +37,6 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-_MAX_HEADER = 100_000_000  # safetensors' own limit
-_FIX = "re-save the checkpoint or re-download the file"
-CRC_KEY = "hf_sms_crc32"  # header metadata: {tensor name: CRC-32 of its bytes}
 
 
 def workers() -> int:
@@ -48,59 +45,15 @@ def workers() -> int:
     return max(1, min(4, cores))
 
 
-class SafetensorsFile:
-    """Header-validated reader of one ``.safetensors`` file; each :meth:`read` reads one tensor."""
+class SafetensorsFile(RawSafetensorsFile):
+    """A :class:`RawSafetensorsFile` read as torch tensors; each :meth:`read` reads one tensor.
+    ``entries[key] = (torch dtype, shape, begin, end)``."""
 
     def __init__(self, path: str):
-        self.path = path
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-            if not 0 < n <= min(size - 8, _MAX_HEADER):
-                raise ValueError(f"{path} is not a valid safetensors file (bad or truncated header); {_FIX}")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path} has a corrupted safetensors header ({e}); {_FIX}") from None
-        self.data_start = 8 + n
+        super().__init__(path)
         self._map: mmap.mmap | None = None
-        self.metadata = header.pop("__metadata__", None) or {}
-        try:  # CRC-32 of every tensor hf-sms stored as it is (an encoded tensor's index holds its own)
-            self.crcs = json.loads(self.metadata.get(CRC_KEY, "{}"))
-            assert isinstance(self.crcs, dict) and all(isinstance(v, int) for v in self.crcs.values())
-        except (TypeError, ValueError, AssertionError):
-            raise ValueError(f"{path} has corrupted hf-sms checksums in its header; {_FIX}") from None
         self._progress: dict[str, tuple[int, int]] = {}  # key: (next element, CRC so far) of sequential chunks
-        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        for key, e in header.items():
-            try:
-                dtype, shape, (begin, end) = _DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{path}: entry {key!r} is malformed or has an unsupported dtype; {_FIX}") from None
-            if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
-                raise ValueError(f"{path}: entry {key!r} has a size that does not match its shape; {_FIX}")
-            if self.data_start + end > size:
-                raise ValueError(
-                    f"{path} is truncated: {key!r} ends at byte {self.data_start + end} but the file has {size}; {_FIX}"
-                )
-            self.entries[key] = (dtype, shape, begin, end)
-
-    def keys(self) -> list[str]:
-        return list(self.entries)
-
-    def _read_bytes(self, key: str, offset: int, nbytes: int) -> np.ndarray:
-        buf = bytearray(nbytes)
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + offset)
-            if f.readinto(buf) != nbytes:
-                raise ValueError(f"{self.path} is truncated while reading {key!r}; {_FIX}")
-        # numpy, not torch.frombuffer: stays on the CPU inside transformers' meta-device init context
-        return np.frombuffer(buf, np.uint8)
-
-    def _check(self, key: str, crc: int) -> None:
-        if key in self.crcs and crc != self.crcs[key]:
-            raise ValueError(f"checksum mismatch in {key!r} of {self.path}: the file is corrupted; {_FIX}")
+        self.entries = {k: (_DTYPES[d], shape, b, e) for k, (d, shape, b, e) in self.layout.items()}
 
     def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``start:stop`` of the flattened tensor ``key``; chunks read in order from 0 are checked

@@ -7,11 +7,12 @@ import os
 from accelerate import init_empty_weights
 from torch import nn
 
-from ..shrink.cut import resize_to
+from ..shrinking.cut import resize_to
+from ..shrinking.families import config_family
 from .card import write_card
 from .codec import crc32
 from .constants import CARD_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME
-from .families import family_of_model
+from .families import FAMILIES, Family
 from .folder import atomic_folder, weight_files, write_sparsity
 from .integrity import weight_manifest
 from .masks import MaskStats, eligible
@@ -19,6 +20,14 @@ from .reader import SparseCheckpoint, check_masks
 from .runtime_load import load_runtime
 from .safetensors_io import SafetensorsFile, WeightsWriter
 from .state import load_into
+
+
+def family_of_model(model: nn.Module) -> Family:
+    """The family of ``model``: one that claims it (:meth:`Family.detects`), else the one registered for the library
+    :func:`~hf_sms.shrinking.config_family` names, else plain torch."""
+    claimed = next((f for f in FAMILIES.values() if f.detects(model)), None)
+    library = config_family(model).library
+    return claimed or (FAMILIES[library] if library in FAMILIES else FAMILIES["torch"])
 
 
 def _store_weights(folder: str, fmt: str) -> tuple[MaskStats, dict[str, int]]:

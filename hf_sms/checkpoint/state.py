@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the families that import this module read folders without torch
+    import torch
+    from torch import nn
 
 
 def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -13,7 +13,7 @@ from transformers.trainer_utils import has_length
 from ..batchnorm import forward_batch
 from ..data import peek
 from ..pruning.prunable import accepts_labels, prunable_tensors, unfused_attention
-from ..shrink.shrink import parameter_count
+from ..shrinking.shrink import parameter_count
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
 from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
 from ..registry import ALLOCATIONS, STRUCTURES
 from ..runtime.speed import measure_speedup_of, time_smaller
-from ..shrink.cut import cut_in_place, kept_index
-from ..shrink.families import config_family
-from ..shrink.fit import fit
-from ..shrink.shrink import KINDS, eval_output, example_batch, shrink, shrink_record
+from ..shrinking.cut import cut_in_place, kept_index
+from ..shrinking.families import config_family
+from ..shrinking.fit import fit
+from ..shrinking.shrink import KINDS, eval_output, example_batch, shrink, shrink_record
 
 
 @dataclass(frozen=True)

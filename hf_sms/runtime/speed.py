@@ -16,7 +16,7 @@ from torch import nn
 
 from ..batchnorm import forward_batch
 from ..pruning.prunable import accepts_labels
-from ..shrink.shrink import parameter_count
+from ..shrinking.shrink import parameter_count
 from .convert import to_sparse_runtime
 from .layers import weight_bytes
 from .timing import time_pair_spread

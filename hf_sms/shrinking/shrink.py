@@ -106,7 +106,7 @@ def shrink(
     Units are found by tracing ``model`` on the batch (:mod:`hf_sms.pruning.graph`). The copy has ``model``'s class
     and module names and smaller layers. With ``fit_config`` its family's own config states the smaller widths
     (transformers' ``intermediate_size``/``d_ff``/``num_attention_heads``..., timm's ``base_width``/``mlp_ratio``,
-    smp's decoder channels: :mod:`hf_sms.shrink.families`), so its own ``save_pretrained`` loads with plain
+    smp's decoder channels: :mod:`hf_sms.shrinking.families`), so its own ``save_pretrained`` loads with plain
     transformers / timm / smp; units its config cannot drop stay as the zeros they are (exact), with a warning.
     ``model`` is not changed; the copy's eval outputs on the batch are checked against ``model``'s.
 
