@@ -171,7 +171,7 @@ def merge_bench(fmt: str, base: T5ForConditionalGeneration) -> None:
         inputs.append(save_sparse(replica, os.path.join(ROOT, f"{fmt}-r{i}"), fmt))
         del replica
     out = os.path.join(ROOT, f"{fmt}-soup")
-    rss_base = peak_rss_mb("import hf_sms")
+    rss_base = peak_rss_mb("import hf_sms.checkpoint.merge, transformers.modeling_utils")  # what both import
     rss_one = peak_rss_mb(  # one model loaded and every weight touched (a dense load maps the file lazily)
         "import hf_sms, transformers as t; "
         f"m = t.AutoModelForSeq2SeqLM.from_pretrained({inputs[0]!r}); [float(p.sum()) for p in m.parameters()]"
@@ -191,7 +191,7 @@ def merge_bench(fmt: str, base: T5ForConditionalGeneration) -> None:
     net = (rss_merge - rss_base) / (rss_one - rss_base)
     print(
         f"- {fmt} inputs -> {fmt} output ({in_mb:.0f} MB of inputs): peak RSS merge {rss_merge:.0f} MB, one model "
-        f"{rss_one:.0f} MB -> {rss_merge / rss_one:.2f}x (above the {rss_base:.0f} MB of `import hf_sms`: "
+        f"{rss_one:.0f} MB -> {rss_merge / rss_one:.2f}x (above the {rss_base:.0f} MB of the imports: "
         f"{rss_merge - rss_base:.0f} vs {rss_one - rss_base:.0f} MB, {net:.2f}x); "
         f"merge {t_merge:.2f} s vs reading the inputs {t_read:.2f} s ({t_merge / t_read:.1f}x)",
         flush=True,

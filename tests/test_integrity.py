@@ -1,7 +1,7 @@
 """One integrity check for every reader (issue 30): each kind of corruption (a byte of an encoded value, of a
 tensor stored as it is, two tensors swapped in a header, an encoded pair swapped, a weight file from another save,
-a wrong checksum) is refused by load_sparse, from_pretrained after import hf_sms, merge, convert, inspect and speed,
-each naming the tensor or file."""
+a wrong checksum) is refused by load_sparse, from_pretrained after import hf_sms (bitmask and dense folders), merge,
+convert, inspect and speed, each naming the tensor or file."""
 
 import json
 import shutil
@@ -10,6 +10,7 @@ import struct
 import pytest
 import torch
 from conftest import make_t5
+from transformers import AutoModelForSeq2SeqLM
 
 import hf_sms
 from hf_sms import load_sparse, prune, save_sparse
@@ -142,16 +143,24 @@ def test_a_dense_folder_checks_its_bytes_and_its_recorded_checksums(tmp_path, ca
     info = json.loads((folder / "sparsity.json").read_text())
     assert set(info["files"]) == {"model.safetensors"} and "crc32" in info
     shutil.copytree(folder, tmp_path / "edited")
+    shutil.copytree(folder, tmp_path / "swapped")
+    assert AutoModelForSeq2SeqLM.from_pretrained(str(folder)) is not None  # untouched: loads, checked
     _flip(folder / "model.safetensors", PLAIN)  # a byte of the family's own file
-    with pytest.raises(ValueError, match=PLAIN):
-        load_sparse(str(folder))
+    for read in (load_sparse, AutoModelForSeq2SeqLM.from_pretrained):
+        with pytest.raises(ValueError, match=PLAIN):
+            read(str(folder))
     assert main(["inspect", str(folder)]) == 1 and PLAIN in capsys.readouterr().out
     edited = tmp_path / "edited"  # a wrong checksum in sparsity.json, the bytes intact
     info["crc32"][PLAIN] ^= 1
     (edited / "sparsity.json").write_text(json.dumps(info))
-    with pytest.raises(ValueError, match=PLAIN):
-        load_sparse(str(edited))
+    for read in (load_sparse, AutoModelForSeq2SeqLM.from_pretrained):
+        with pytest.raises(ValueError, match=PLAIN):
+            read(str(edited))
     assert main(["inspect", str(edited)]) == 1
+    _swap(tmp_path / "swapped" / "model.safetensors", PLAIN, PLAIN_TWIN)  # names no longer the recorded ones
+    for read in (load_sparse, AutoModelForSeq2SeqLM.from_pretrained):
+        with pytest.raises(ValueError, match="model.safetensors"):
+            read(str(tmp_path / "swapped"))
 
 
 def test_a_clean_folder_reads_everywhere_and_inspect_says_verified(folders, capsys):

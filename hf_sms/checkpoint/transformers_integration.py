@@ -1,13 +1,19 @@
-"""``AutoModel*.from_pretrained(dir)`` for bitmask checkpoints, through a transformers quantization method.
+"""``AutoModel*.from_pretrained(dir)`` for bitmask checkpoints, through a transformers quantization method, and
+checked reads of dense hf-sms folders.
 
 A bitmask folder's ``config.json`` has ``quantization_config = {"quant_method": "hf-sms-sparse", ...}``.
-Once :func:`register` has run (``import hf_sms`` calls it), transformers builds the quantizer below, whose
-weight converter decodes each ``(W, W.sp_index)`` pair after transformers' own key renaming. The loaded
-model is an ordinary dense model: the quantizer is not kept and the quantization config is dropped.
+Once :func:`register` has run (after ``import hf_sms``, when transformers' models load), transformers builds the
+quantizer below, whose weight converter decodes each ``(W, W.sp_index)`` pair after transformers' own key renaming.
+The loaded model is an ordinary dense model: the quantizer is not kept and the quantization config is dropped.
+
+A ``format="dense"`` folder is the family's own, which loads without hf-sms; so transformers reads it as any
+other. With hf_sms imported, ``from_pretrained`` of a local one first checks it as ``hf-sms inspect`` does (files,
+every tensor's CRC-32, the mask hash): :func:`check_dense_folder`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
 
@@ -19,6 +25,7 @@ from transformers.core_model_loading import (
     _IdentityOp,
     build_glob_alternation,
 )
+from transformers.modeling_utils import PreTrainedModel
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -30,7 +37,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .codec import decode_tensor
 from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
+from .files import CheckpointFiles
 from .folder import checkpoint_file, read_sparsity, weight_files
+from .inspect import verify_checkpoint
 from .integrity import check_manifest
 from .prefetch import Prefetcher
 from .safetensors_io import SafetensorsFile
@@ -210,9 +219,39 @@ class SparseCheckpointQuantizer(HfQuantizer):
 
 def register() -> None:
     """Register the ``hf-sms-sparse`` quantization method with transformers (under its name and the short one of
-    folders written before); repeated calls do nothing."""
+    folders written before), and check dense hf-sms folders in ``from_pretrained``; repeated calls do nothing."""
     for name in QUANT_METHODS:
         if name not in AUTO_QUANTIZATION_CONFIG_MAPPING:
             register_quantization_config(name)(SparseCheckpointConfig)
         if name not in AUTO_QUANTIZER_MAPPING:
             register_quantizer(name)(SparseCheckpointQuantizer)
+    if not getattr(PreTrainedModel.from_pretrained, "hf_sms_checked", False):
+        PreTrainedModel.from_pretrained = _checked(PreTrainedModel.from_pretrained.__func__)
+
+
+def check_dense_folder(directory: str) -> None:
+    """Raise ``ValueError`` naming what is wrong if an hf-sms ``format="dense"`` folder is not what its
+    ``sparsity.json`` records: another file, a tensor renamed or swapped, a byte changed, another mask. Every other
+    folder (bitmask: its quantizer checks it; not hf-sms's) passes untouched."""
+    if (read_sparsity(directory) or {}).get("format") != "dense":
+        return
+    problems = verify_checkpoint(CheckpointFiles(directory))[0]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
+        raise ValueError(f"{directory} is corrupted: {problems[0]}{more}")
+
+
+def _checked(from_pretrained):
+    """transformers' ``from_pretrained``, checking a local dense hf-sms folder first (:func:`check_dense_folder`)."""
+
+    @functools.wraps(from_pretrained)
+    def checked(cls, pretrained_model_name_or_path, *args, **kwargs):
+        path = pretrained_model_name_or_path
+        if isinstance(path, (str, os.PathLike)):
+            folder = os.path.join(path, kwargs.get("subfolder") or "")
+            if os.path.isdir(folder):
+                check_dense_folder(folder)
+        return from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    checked.hf_sms_checked = True
+    return classmethod(checked)
