@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 
 def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package`` whose names live in its submodules.
+    """``(__getattr__, __dir__)`` for ``package`` whose names live in its submodules (a submodule is an attribute
+    too, imported when first asked for, as it was when the package imported everything).
 
     Args:
         package: the package's ``__name__``.
@@ -24,11 +25,13 @@ def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], o
     """
 
     def __getattr__(name: str):
-        if name not in table:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(table[name], package), name)
-        setattr(sys.modules[package], name, value)  # the next lookup is a plain attribute
-        return value
+        if name in table:
+            value = getattr(importlib.import_module(table[name], package), name)
+            setattr(sys.modules[package], name, value)  # the next lookup is a plain attribute
+            return value
+        if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            return importlib.import_module(f".{name}", package)  # `hf_sms.pruning.X` after a plain `import hf_sms`
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
         return sorted(set(vars(sys.modules[package])) | set(table))

@@ -137,6 +137,20 @@ def test_every_lazy_name_resolves_and_none_is_a_submodule(package):
         pkg.nope  # noqa: B018
 
 
+def test_a_plain_import_reaches_every_submodule_as_an_attribute():
+    """``import hf_sms`` then ``hf_sms.pruning.ExactMasking`` worked when the package imported everything; it still
+    does, each submodule imported when first asked for."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hf_sms\n"
+        "assert 'hf_sms.pruning' not in sys.modules\n"
+        "assert hf_sms.pruning.ExactMasking and hf_sms.checkpoint.codec.encode_tensor and hf_sms.soup.greedy_soup\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
 def test_every_registry_fills_itself_on_its_first_lookup():
     """``import hf_sms`` imports no piece: each table imports its home on first use, so a lookup through a
     submodule (``from hf_sms.registry import SOUPS``) never sees it half empty."""
