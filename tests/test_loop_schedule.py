@@ -106,6 +106,7 @@ def test_timeline_refuses_a_run_without_a_schedule(tmp_path):
     assert proc.returncode == 2 and "records no schedule" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # 62 s; a 2-process kill -9 and resume through the rounds runs in CI (test_loop_parallel.py)
 def test_a_run_killed_mid_round_resumes_without_retraining_to_the_same_numbers(pooled_one, tmp_path):
     """Jobs of skewed lengths (IMP_mx trains twice as long) on two processes, kill -9 as soon as the first job
     of phase 2 is saved: the rerun loads every finished job and gives one process's numbers."""
