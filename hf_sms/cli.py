@@ -11,7 +11,14 @@ import argparse
 import importlib
 import sys
 
-FORMATS = ("bitmask", "dense")  # hf_sms.checkpoint.constants.FORMATS; tests/test_house.py keeps them equal
+from .checkpoint.constants import FORMATS  # file names and formats only: no torch
+
+
+def _output(p: argparse.ArgumentParser, fmt: str, what: str) -> None:
+    """The arguments of a command that writes a checkpoint folder: where, in which format, replacing or not."""
+    p.add_argument("--output", "-o", required=True, metavar="DIR", help=f"folder to write (not {what})")
+    p.add_argument("--format", default=fmt, choices=FORMATS, help=f"output format (default: {fmt})")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,9 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", metavar="DIR", help="checkpoint folders (save_sparse or save_pretrained)")
     p.add_argument("--method", default="uniform", help="a soup method that needs no validation data (default: uniform)")
     p.add_argument("--weights", type=float, nargs="+", help="one positive weight per input (normalised to sum 1)")
-    p.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (not one of the inputs)")
-    p.add_argument("--format", default="bitmask", choices=FORMATS, help="output format (default: bitmask)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    _output(p, "bitmask", "one of the inputs")
     p.set_defaults(run="hf_sms.checkpoint_cli:run_merge")
 
     p = sub.add_parser(
@@ -52,9 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         help="re-save a checkpoint folder in another format (dense: a plain copy that loads without hf-sms)",
     )
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (not the input)")
-    p.add_argument("--format", default="dense", choices=FORMATS, help="output format (default: dense)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    _output(p, "dense", "the input")
     p.set_defaults(run="hf_sms.checkpoint_cli:run_convert")
 
     p = sub.add_parser("inspect", help="format, size, measured sparsity and recipe of a checkpoint folder")

@@ -125,7 +125,7 @@ def verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict
     index; the positions are left encoded (see :func:`position_chunks`)."""
     head, payload = parse_index(index, name)
     values = values.detach().to("cpu").contiguous().reshape(-1)
-    check_values(head, payload, _bytes_of(values), values.numel(), values.dtype, values.is_floating_point(), name)
+    check_values(head, payload, _bytes_of(values), values.numel(), values.dtype, name)
     return head, values, payload
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .constants import FORMAT_VERSION
+from .masks import floating
 
 DENSE, BITMASK, ELIAS_FANO = 0, 1, 2
 CHUNK_BITS = 1 << 18  # index bits decoded at a time (see position_chunks)
@@ -105,10 +106,11 @@ def position_chunks(head: dict, payload: np.ndarray, name: str) -> Iterator[np.n
         raise ValueError(bad)
 
 
-def check_values(head: dict, payload: np.ndarray, values: np.ndarray, count: int, dtype, floating: bool, name: str):
-    """Raise ``ValueError`` naming the tensor unless ``count`` values of ``dtype`` whose bytes are ``values`` are
-    what the index (``head``, ``payload``: :func:`parse_index_bytes`) expects, checksum included."""
-    if count != head["nnz"] or not floating:
+def check_values(head: dict, payload: np.ndarray, values: np.ndarray, count: int, dtype, name: str) -> None:
+    """Raise ``ValueError`` naming the tensor unless ``count`` values of ``dtype`` (torch's or a safetensors name)
+    whose bytes are ``values`` are what the index (``head``, ``payload``: :func:`parse_index_bytes`) expects,
+    checksum included."""
+    if count != head["nnz"] or not floating(dtype):
         raise ValueError(
             f"{name!r} has {count} stored values of dtype {dtype} but its index expects {head['nnz']} floating-point "
             "values; the checkpoint is corrupted or mixes files of two saves."

@@ -17,7 +17,7 @@ from .constants import INDEX_SUFFIX, SPARSITY_NAME
 from .families import FAMILIES
 from .files import CheckpointFiles
 from .index_format import CODECS, DENSE, check_values, parse_index_bytes, position_chunks
-from .masks import FLOAT_DTYPES, MaskDigest, MaskStats, eligible
+from .masks import MaskDigest, MaskStats, eligible, floating
 from .safetensors_raw import DTYPE_SIZES
 
 _COMPARED = ("sparsity", "nnz", "numel", "mask_hash")  # global figures of sparsity.json
@@ -69,7 +69,7 @@ def _nonzero(raw: np.ndarray, dtype: str) -> np.ndarray:
     """``tensor != 0`` from a tensor's bytes: a float is zero when every bit but its sign is (+0.0 and -0.0)."""
     size = DTYPE_SIZES[dtype]
     bits = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
-    if dtype in FLOAT_DTYPES:
+    if floating(dtype):
         bits = bits & bits.dtype.type((1 << (8 * size - 1)) - 1)
     return bits != 0
 
@@ -85,7 +85,7 @@ def _examine(files: CheckpointFiles, name: str, counted: set[str], stats: MaskSt
             stats.add(name, _nonzero(values, dtype), "dense", shape)
         return shape, dtype
     head, payload = parse_index_bytes(files.stored_bytes(name + INDEX_SUFFIX), name)
-    check_values(head, payload, values, math.prod(shape), dtype, dtype in FLOAT_DTYPES, name)
+    check_values(head, payload, values, math.prod(shape), dtype, name)
     shape, codec = head["shape"], CODECS[head["codec"]]
     measured = eligible(name, shape, dtype) or name in counted
     if head["codec"] == DENSE:

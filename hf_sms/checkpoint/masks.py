@@ -33,8 +33,12 @@ def eligible(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype 
     Returns:
         True for floating-point tensors of at least two dimensions whose name ends in ``weight``.
     """
-    floating = dtype in FLOAT_DTYPES if isinstance(dtype, str) else dtype.is_floating_point
-    return floating and len(shape) >= 2 and name.endswith("weight")
+    return floating(dtype) and len(shape) >= 2 and name.endswith("weight")
+
+
+def floating(dtype: torch.dtype | str) -> bool:
+    """Whether a torch dtype, or a safetensors dtype name (``"BF16"``), is a floating-point type."""
+    return dtype in FLOAT_DTYPES if isinstance(dtype, str) else dtype.is_floating_point
 
 
 def _sparsity(nnz: int, numel: int) -> float:

@@ -79,11 +79,9 @@ class SafetensorsFile(RawSafetensorsFile):
             if self._map is None:  # two threads may both map it: harmless
                 with open(self.path, "rb") as f:
                     self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            raw = np.frombuffer(self._map, np.uint8, end - begin, at)
+            raw = self.checked(key, np.frombuffer(self._map, np.uint8, end - begin, at))
         else:
-            raw = self._read_bytes(key, begin, end - begin)
-        if key in self.crcs:
-            self._check(key, zlib.crc32(raw))
+            raw = self.read_bytes(key)
         return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 

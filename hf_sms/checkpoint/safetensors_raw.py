@@ -86,10 +86,13 @@ class RawSafetensorsFile:
         if key in self.crcs and crc != self.crcs[key]:
             raise ValueError(f"checksum mismatch in {key!r} of {self.path}: the file is corrupted; {FIX}")
 
-    def read_bytes(self, key: str) -> np.ndarray:
-        """The bytes of tensor ``key`` (uint8), checked against its CRC-32 where the file or folder records one."""
-        _, _, begin, end = self.layout[key]
-        raw = self._read_bytes(key, begin, end - begin)
+    def checked(self, key: str, raw: np.ndarray) -> np.ndarray:
+        """``raw``, the bytes of tensor ``key``, once they match its CRC-32 where the file or folder records one."""
         if key in self.crcs:
             self._check(key, zlib.crc32(raw))
         return raw
+
+    def read_bytes(self, key: str) -> np.ndarray:
+        """The bytes of tensor ``key`` (uint8), checked (:meth:`checked`)."""
+        _, _, begin, end = self.layout[key]
+        return self.checked(key, self._read_bytes(key, begin, end - begin))
