@@ -8,6 +8,7 @@ import os
 import statistics
 import sys
 
+from .atomic import atomic_path, atomic_write
 from .runtime.speed import format_measured
 
 ROW_ORDER = (
@@ -129,10 +130,8 @@ def speedup_report(runs: list[dict]) -> str:
 
 def save_results(results: dict | list[dict], path: str) -> None:
     """Write ``results`` as JSON atomically (temp file, then rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
+    with atomic_write(path) as f:
         json.dump(results, f, indent=2)
-    os.replace(path + ".tmp", path)
 
 
 def reported_tests(run: dict) -> list[str]:
@@ -168,9 +167,11 @@ def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, y
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
+    finally:
+        plt.close(fig)
 
 
 def timeline(run: dict) -> list[dict]:
@@ -217,9 +218,11 @@ def plot_timeline(run: dict, path: str) -> None:
     ax.invert_yaxis()
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
+    finally:
+        plt.close(fig)
 
 
 # -- hf-sms table, hf-sms timeline (their arguments: hf_sms.cli) --------------------------------------------------

@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from .atomic import atomic_write
+
 # What --smoke sets on top of the YAML (flags still override): the whole pipeline on CPU in seconds.
 SMOKE_ARGS = dict(
     output_dir="smoke-output",
@@ -49,7 +51,7 @@ def smoke_translation(folder: str) -> dict:
     files = {}
     for split, n in (("train", 40), ("validation", 6), ("test", 8)):
         path = files[f"{split}_file"] = os.path.join(folder, f"{split}.jsonl")
-        with open(path, "w") as f:
+        with atomic_write(path) as f:
             for i in range(n):
                 pair = {"en": f"the house {i}", "de": f"das Haus {i}", "ro": f"casa {i}"}
                 f.write(json.dumps({"translation": pair}) + "\n")

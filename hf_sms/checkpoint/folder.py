@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..atomic import atomic_write, user_modes
 from .constants import (
     CARD_NAME,
     FORMAT_VERSION,
@@ -52,7 +53,7 @@ def read_json(path: str | None) -> dict | None:
 
 def write_json(path: str, data: dict) -> None:
     """Write ``data`` as indented JSON with a final newline (diff-friendly, like transformers' config files)."""
-    with open(path, "w") as f:
+    with atomic_write(path) as f:
         json.dump(data, f, indent=2)
         f.write("\n")
 
@@ -168,16 +169,10 @@ def atomic_folder(directory: str, mode: str = "new") -> Iterator[str]:
     try:
         yield tmp
         check_target(directory, mode)  # something may have appeared there meanwhile
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 is for while it is written; then the user's own mode
+        user_modes(tmp)  # mkdtemp's 0700 and save_file's 0600 are for while it is written; then the user's own modes
         _install(tmp, directory, mode)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask sets it: put it straight back
-    os.umask(mask)
-    return mask
 
 
 def restore_previous(directory: str) -> None:

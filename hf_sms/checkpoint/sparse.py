@@ -7,6 +7,7 @@ import os
 from accelerate import init_empty_weights
 from torch import nn
 
+from ..atomic import atomic_path
 from ..shrinking.cut import resize_to
 from ..shrinking.families import config_family
 from .card import write_card
@@ -50,13 +51,12 @@ def _store_weights(folder: str, fmt: str) -> tuple[MaskStats, dict[str, int]]:
     writer = WeightsWriter(fmt)
     for name, t in tensors:
         writer.add(name, t)
-    new_path = os.path.join(folder, WEIGHTS_NAME + ".new")
-    stats = writer.save(new_path)
-    for f in files:
-        os.remove(f.path)
-    if os.path.exists(os.path.join(folder, INDEX_NAME)):
-        os.remove(os.path.join(folder, INDEX_NAME))
-    os.replace(new_path, os.path.join(folder, WEIGHTS_NAME))
+    with atomic_path(os.path.join(folder, WEIGHTS_NAME)) as new_path:
+        stats = writer.save(new_path)
+        for f in files:
+            os.remove(f.path)
+        if os.path.exists(os.path.join(folder, INDEX_NAME)):
+            os.remove(os.path.join(folder, INDEX_NAME))
     return stats, {}
 
 

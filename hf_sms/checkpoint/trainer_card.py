@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..atomic import write_text
 from .card import model_card
 from .constants import CARD_NAME
 from .folder import read_sparsity
@@ -35,8 +36,5 @@ def merge_trainer_card(folder: str, text: str) -> bool:
         return False
     card = model_card(folder, os.path.basename(os.path.abspath(folder)))
     path = os.path.join(folder, CARD_NAME)
-    tmp = path + ".hf_sms-tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(card.rstrip() + "\n\n" + section)
-    os.replace(tmp, path)  # a kill leaves the old card or the new one
+    write_text(path, card.rstrip() + "\n\n" + section)  # a kill leaves the old card or the new one
     return True

@@ -8,6 +8,7 @@ import os
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_path
 from ..pruning.masks import PruningStep
 from ..pruning.prunable import Masks
 from .constants import MASKS_NAME
@@ -16,13 +17,11 @@ from .folder import checkpoint_file
 
 def save_masks(masks: Masks, directory: str, step: PruningStep | None = None) -> None:
     """Write a trainer checkpoint's masks (``sparse_masks.safetensors``), with ALLR's d and q of ``step``."""
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, MASKS_NAME + ".tmp")
     metadata = {"format": "pt"}
     if step is not None:  # ALLR's start rate depends on them, so a resumed run needs them back
         metadata.update(norm_fraction=repr(step.norm_fraction), phase_fraction=repr(step.phase_fraction))
-    save_file({n: m.detach().cpu().contiguous() for n, m in masks.items()}, tmp, metadata=metadata)
-    os.replace(tmp, os.path.join(directory, MASKS_NAME))
+    with atomic_path(os.path.join(directory, MASKS_NAME)) as tmp:
+        save_file({n: m.detach().cpu().contiguous() for n, m in masks.items()}, tmp, metadata=metadata)
 
 
 def load_masks(directory: str) -> Masks | None:

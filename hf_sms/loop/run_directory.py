@@ -176,7 +176,7 @@ def lock_folder(folder: str, doing: str, option: str) -> int:
     """An exclusive lock on ``folder`` (created if missing) for this process: a file descriptor to ``os.close``
     when done (the lock also goes when the process dies). Raises at once if another process holds it."""
     os.makedirs(folder, exist_ok=True)
-    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
+    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -297,11 +297,14 @@ class RunDirectory:
         return not any(SPARSITY_NAME in files for _, _, files in os.walk(self.root))
 
     def _remove_stale_temporaries(self) -> None:
-        """Folders a killed run was writing (never installed, so never taken as finished); safe under the lock."""
-        for parent, dirs, _ in os.walk(self.root):
+        """Folders and files a killed run was writing (never installed, so never taken as finished); safe under the
+        lock. Both prefixes start ``.hf_sms-``."""
+        for parent, dirs, files in os.walk(self.root):
             for name in [d for d in dirs if d.startswith(TMP_PREFIX)]:
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
                 dirs.remove(name)
+            for name in [f for f in files if f.startswith(TMP_PREFIX)]:
+                os.remove(os.path.join(parent, name))
 
 
 _ABSENT = object()
