@@ -15,7 +15,15 @@ from transformers.trainer_utils import SaveStrategy
 
 from .plan import PruningPlan, resolve_pruning
 from .pruning.masks import phase_sparsities
-from .registry import ALLOCATIONS, BASELINES, PRETRAIN_SHAPES, PRUNING_METHODS, RETRAIN_SCHEDULES, SOUPS
+from .registry import (
+    ALLOCATIONS,
+    BASELINES,
+    PRETRAIN_SHAPES,
+    PRUNING_METHODS,
+    REPLICA_PARAMS,
+    RETRAIN_SCHEDULES,
+    SOUPS,
+)
 from .seeding import derive_seed
 
 # The trainer's learning-rate modes (see SparseSoupTrainer's ``lr_schedule``).
@@ -195,6 +203,16 @@ class SparseSoupArguments:
     baselines: list[str] = field(
         default_factory=list, metadata={"help": "Baselines run beside SMS: any of imp, imp_mx, imp_reprune."}
     )
+    replica_params: str = field(
+        default="all",
+        metadata={"help": "What a replica trains: all, bias_norm, mask_lora, scale_lora (docs/replicas.md)."},
+    )
+    lora_rank: int = field(default=16, metadata={"help": "Rank of mask_lora / scale_lora adapters."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / rank."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapters' input."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Module names the adapters wrap (default: every prunable nn.Linear)."}
+    )
     share_idle_groups: bool = field(
         default=False,
         metadata={
@@ -244,6 +262,7 @@ class SparseSoupArguments:
             ("pretrain_schedule", PRETRAIN_SHAPES, [self.pretrain_schedule]),
             ("merge_methods", SOUPS, self.merge_methods),
             ("baselines", BASELINES, self.baselines),
+            ("replica_params", REPLICA_PARAMS, [self.replica_params]),
             ("pruning_method", PRUNING_METHODS, [] if self.pruning_method == "imp" else [self.pruning_method]),
         ]
         for field_name, registry, values in named:

@@ -151,6 +151,7 @@ SOUPS: Registry = Registry("soup method", home="hf_sms.soup")
 PRUNING_METHODS: Registry = Registry("pruning method", hint="or 'imp' (the SMS loop)", home="hf_sms.methods")
 BASELINES: Registry = Registry("baseline", home="hf_sms.baselines")
 CRITERIA: Registry = Registry("pruning criterion", home="hf_sms.pruning.criteria")
+REPLICA_PARAMS: Registry = Registry("replica parameter subset", home="hf_sms.adapters.replica")
 STRUCTURES: Registry = Registry(
     "pruning structure",
     hint="or 'n:m' (e.g. '2:4'), or several joined by '+' (e.g. 'neurons+heads')",

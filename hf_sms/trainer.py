@@ -7,7 +7,9 @@ The hooks are one mixin, :class:`SparseSoupMixin`, for any Trainer subclass: ``S
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 import os
 
@@ -18,6 +20,7 @@ from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
+from .adapters.replica import ADAPTER_FOLDER, adapted, adapter_masks, merged_copy, save_adapter
 from .arguments import as_sparse_arguments, sparse_config
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
@@ -27,10 +30,12 @@ from .checkpoint.trainer_card import merge_trainer_card
 from .checkpoint.trainer_masks import load_pruning_step, save_masks
 from .config import LR_SCHEDULES
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
-from .pruning.masks import PruningStep, apply_masks
+from .pruning.masks import PruningStep, apply_masks, masks_from_model
 from .pruning.prunable import Masks
 from .schedules import PRETRAIN_SHAPES, ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
 from .seeding import EpochShuffleSampler
+
+logger = logging.getLogger("hf_sms")
 
 
 def cross_entropy_loss(outputs, labels, num_items_in_batch=None):
@@ -120,19 +125,23 @@ class SparseSoupMixin:
             args = sparse_config(self.arguments_class)(output_dir="tmp_trainer")
         args = as_sparse_arguments(args, self.arguments_class)
         if isinstance(model, nn.Module):  # what the model's library needs (smp's config, a loss for logits-only models)
-            family = family_of_model(model)
+            family = family_of_model(model.get_base_model() if hasattr(model, "get_base_model") else model)
             family.prepare_training(model)
             if not family.computes_loss:
                 kwargs.setdefault("compute_loss_func", cross_entropy_loss)
                 if args.label_names is None:
                     args.label_names = ["labels"]
         super().__init__(model=model, args=args, **kwargs)
-        if masks is None:
+        self.adapted = isinstance(self.model, nn.Module) and adapted(self.model)
+        if masks is None and self.adapted:  # LoRA on a pruned model: train under its zeros (prune before adapting)
+            step = PruningStep.measure(self.model, masks_from_model(self.model))
+            logger.info("[hf-sms] the model holds adapters: training under its weights' zeros (no pruning here)")
+        elif masks is None:
             step = args.plan.prune(self.model, args.target_sparsity, example_inputs=self._example_batch())
         elif isinstance(masks, PruningStep):
-            step = masks
+            step = dataclasses.replace(masks, masks=adapter_masks(self.model, masks.masks)) if self.adapted else masks
         else:
-            step = PruningStep.measure(self.model, masks)
+            step = PruningStep.measure(self.model, adapter_masks(self.model, masks) if self.adapted else masks)
         if step.masks and not any(bool(m.any()) for m in step.masks.values()):
             raise ValueError("the masks prune every weight (all False): nothing would train; True marks a kept weight")
         self.lr_schedule = lr_schedule or getattr(args, "lr_schedule", "retrain")
@@ -278,7 +287,13 @@ class SparseSoupMixin:
             save_masks(self.masks, folder, self.pruning_step)
             if not _internal_call or self._pushing:  # the final save: from_pretrained loads it after import hf_sms
                 card = _read(os.path.join(folder, CARD_NAME))  # one create_model_card wrote before, if any
-                save_sparse(self.model, folder, processing_class=self.processing_class)
+                if self.adapted:  # the merged sparse model, and the adapter in peft's format beside it
+                    for name in ("adapter_config.json", "adapter_model.safetensors"):  # the Trainer's PeftModel save
+                        if os.path.isfile(os.path.join(folder, name)):
+                            os.remove(os.path.join(folder, name))
+                    save_adapter(self.model, os.path.join(folder, ADAPTER_FOLDER))
+                model = merged_copy(self.model) if self.adapted else self.model
+                save_sparse(model, folder, processing_class=self.processing_class)
                 merge_trainer_card(folder, card)
         if push and not _internal_call:  # what Trainer.save_model does, once the folder is the soup's
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

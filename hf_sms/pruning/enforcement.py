@@ -28,9 +28,12 @@ class MaskEnforcer:
     def __init__(self, model: nn.Module, masks: Masks):
         tensors = validate_masks(model, masks)
         self.masks = masks
-        self.params = [tensors[n].param for n in masks]
+        self.all_params = [tensors[n].param for n in masks]
+        # a frozen weight (subset replicas, adapters) never changes: enforcing its mask every step would be waste
+        trained = [n for n in masks if tensors[n].param.requires_grad]
+        self.params = [tensors[n].param for n in trained]
         # Kept in each weight's dtype: with bool masks _foreach_mul_ promotes types and runs ~3x slower on CPU.
-        self._device_masks = [m.to(device=p.device, dtype=p.dtype) for m, p in zip(masks.values(), self.params)]
+        self._device_masks = [masks[n].to(device=p.device, dtype=p.dtype) for n, p in zip(trained, self.params)]
         self._state_cache: tuple[int, int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._dense: list[torch.Tensor] | None = None  # DPF's copy of the dense values, reused every step
 
@@ -46,6 +49,14 @@ class MaskEnforcer:
         pairs = [(p.grad, m) for p, m in zip(self.params, self._device_masks) if p.grad is not None]
         if pairs:
             torch._foreach_mul_([g for g, _ in pairs], [m for _, m in pairs])
+
+    @torch.no_grad()
+    def mask_frozen(self) -> None:
+        """Zero the pruned entries of the frozen weights (once, when masks are set: no step changes them)."""
+        trained = {id(p) for p in self.params}
+        for p, m in zip(self.all_params, self.masks.values()):
+            if id(p) not in trained:
+                p.data.mul_(m.to(device=p.device, dtype=p.dtype))
 
     @torch.no_grad()
     def mask_parameters(self) -> None:
@@ -149,7 +160,7 @@ class MaskingPolicy:
     @torch.no_grad()
     def sparsity(self) -> float:
         """Fraction of the masked weights that are exactly zero."""
-        params = self.enforcer.params
+        params = self.enforcer.all_params
         zeros = sum(int((p == 0).sum()) for p in params)
         return zeros / max(sum(p.numel() for p in params), 1)
 
@@ -179,5 +190,6 @@ class ExactMasking(MaskingPolicy):
         self.new_masks(optimizer)
 
     def new_masks(self, optimizer) -> None:
+        self.enforcer.mask_frozen()
         self.enforcer.after_step(optimizer)
         self._state_unmasked = optimizer is None

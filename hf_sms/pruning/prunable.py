@@ -106,8 +106,8 @@ def prunable_tensors(model: nn.Module) -> list[PrunableTensor]:
     for module in model.modules():
         entry = _layer_weights(module)
         for weight in entry[1] if entry else ():
-            if id(weight) in seen or id(weight) not in names:
-                continue
+            if id(weight) in seen or id(weight) not in names or ".lora_" in names[id(weight)]:
+                continue  # peft's LoRA factors are adapters, not weights of the model
             seen.add(id(weight))
             layout = (bool(module.transposed), int(module.groups)) if entry[0] == "conv" else (is_conv1d(module), 1)
             out.append(PrunableTensor(names[id(weight)], weight, entry[0], tuple(uses[id(weight)]), *layout))

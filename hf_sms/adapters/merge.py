@@ -1,0 +1,93 @@
+"""``merge_adapters``: peft's ``merge_and_unload`` for a pruned model: the plain model back, with exactly its zeros.
+
+Plain LoRA trains a dense update ``s B A``; merged as it is, it fills every pruned weight (a 50% sparse LLaMA is 0%
+sparse after ``merge_and_unload``). Here each layer's update is added only where the mask keeps a weight, and how
+much of the update that drops is reported. MaskLoRA / ScaleLoRA (:mod:`hf_sms.adapters.lora`) drop nothing: their
+update is zero on pruned weights by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..pruning.prunable import Masks
+from .replica import plain_name
+
+logger = logging.getLogger("hf_sms")
+
+
+def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module, masks: Masks | None = None, return_report: bool = False):
+    """Merge every LoRA adapter of ``model`` (a peft ``PeftModel``, or a model peft injected adapters into) into its
+    base weights under the mask, and return the plain model (modified in place, as ``merge_and_unload``).
+
+    Args:
+        model: the adapted model.
+        masks: ``{name: bool tensor}`` (True keeps a weight) under the plain model's parameter names; default: each
+            base weight's own zeros (a pruned weight is exactly zero).
+        return_report: also return ``{"layers", "dropped_fraction", "dropped_entries"}``: the share of the updates'
+            squared norm that fell on pruned weights and was left out.
+
+    Returns:
+        The plain model (``model.get_base_model()`` for a ``PeftModel``), with exactly the mask's zeros.
+    """
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tuners = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
+    others = sorted({type(m).__name__ for m in tuners if not isinstance(m, LoraLayer)})
+    if others:
+        raise ValueError(f"merge_adapters merges LoRA adapters; this model also has {others}: merge those with peft")
+    kept_sq = dropped_sq = 0.0
+    dropped_entries = layers = 0
+    for name, layer in [(n, m) for n, m in base.named_modules() if isinstance(m, LoraLayer)]:
+        if layer.merged:
+            layer.unmerge()  # the dense update is in the weight: take it out, then merge it under the mask
+        inner = layer.get_base_layer()
+        weight = inner.weight
+        key = plain_name(f"{name}.weight")
+        keep = masks[key].to(weight.device) if masks is not None and key in masks else weight != 0
+        delta = torch.zeros_like(weight, dtype=torch.float32)
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                delta += layer.get_delta_weight(adapter).float()
+        dropped = delta[~keep]
+        dropped_sq += float(dropped.double().square().sum())
+        kept_sq += float(delta[keep].double().square().sum())
+        dropped_entries += int((dropped != 0).sum())
+        weight.add_((delta * keep).to(weight.dtype))
+        weight.masked_fill_(~keep, 0)
+        _replace(base, name, inner)
+        layers += 1
+    for name, wrapper in [(n, m) for n, m in base.named_modules() if hasattr(m, "modules_to_save")]:
+        trained = wrapper.modules_to_save[wrapper.active_adapters[0]]  # a head trained in full: keep its zeros
+        for pname, p in trained.named_parameters():
+            original = wrapper.original_module.get_parameter(pname)
+            if p.dim() > 1:
+                keep = original != 0
+                dropped = (p - original)[~keep]
+                dropped_sq += float(dropped.double().square().sum())
+                kept_sq += float((p - original)[keep].double().square().sum())
+                dropped_entries += int((dropped != 0).sum())
+                p.masked_fill_(~keep, 0)
+        _replace(base, name, trained)
+    total = kept_sq + dropped_sq
+    fraction = dropped_sq / total if total else 0.0
+    report = {"layers": layers, "dropped_fraction": fraction, "dropped_entries": dropped_entries}
+    if dropped_entries:
+        logger.warning(
+            "[hf-sms] merge_adapters: %d update entries fell on pruned weights and were left out (%.1f%% of the "
+            "updates' squared norm); train with replica_params='mask_lora' to train exactly what the merge keeps",
+            dropped_entries,
+            100 * report["dropped_fraction"],
+        )
+    return (base, report) if return_report else base

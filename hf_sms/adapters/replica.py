@@ -1,0 +1,332 @@
+"""Replicas that train a subset of the pruned model (``SparseSoupArguments.replica_params``; docs/replicas.md).
+
+A replica of a subset kind shares the frozen weights of the phase's start (the same storage: no copy, no gradient,
+no optimizer state) and owns only what it trains: biases and normalization weights (``bias_norm``), or MaskLoRA /
+ScaleLoRA adapters (``mask_lora``, ``scale_lora``, :mod:`hf_sms.adapters.lora`) injected with peft. Its *trained
+state* (those tensors, a few MB) is what is saved, exchanged between processes and souped: a soup is the start plus
+the weighted sum of the replicas' updates, added layer by layer (one dense update at a time, never m models), and
+it has the start's zeros exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..registry import REPLICA_PARAMS
+
+State = dict[str, torch.Tensor]
+LORA_MARK = ".lora_"  # every peft LoRA parameter's name holds it (lora_A, lora_B, lora_embedding_*)
+BASE_LAYER = ".base_layer"
+
+
+@dataclass(frozen=True)
+class ReplicaParams:
+    """A kind of replica: which parameters train.
+
+    Attributes:
+        adapters: a peft LoRA kind (``"mask_lora"``, ``"scale_lora"``) injected into the start, or ``None``: train
+            the start's own parameters that ``trains`` selects.
+        trains: ``trains(name, param, module) -> bool`` for the start's parameters (``None``: all of them).
+        description: what the results and the card say.
+    """
+
+    adapters: str | None = None
+    trains: object = None
+    description: str = ""
+
+    @property
+    def full(self) -> bool:
+        return self.adapters is None and self.trains is None
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Normalization layers of every library: torch's BatchNorm/LayerNorm/GroupNorm/InstanceNorm, and any class
+    named ``*Norm`` (``LlamaRMSNorm``, ``T5LayerNorm``, timm's ``LayerNorm2d``)."""
+    torch_norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+    return isinstance(module, torch_norms) or type(module).__name__.endswith(("Norm", "Norm2d"))
+
+
+def _bias_or_norm(name: str, param: nn.Parameter, module: nn.Module) -> bool:
+    return name.rsplit(".", 1)[-1] == "bias" or is_norm(module)
+
+
+def check_subset(config) -> None:
+    """What a run with subset replicas needs, checked before any work."""
+    from ..registry import SOUPS
+
+    if config.pruning_method != "imp":
+        raise ValueError(
+            f"subset replicas follow the masks of IMP's phases; pruning_method={config.pruning_method!r} moves masks "
+            "while training (frozen weights cannot follow): use pruning_method='imp' or replica_params='all'"
+        )
+    linear = [m for m in config.merge_methods if SOUPS.get(m).combine is None and SOUPS.get(m).same_mask]
+    if linear != list(config.merge_methods):
+        raise ValueError(
+            f"merge_methods={config.merge_methods}: subset replicas are souped from their updates, which needs a "
+            f"weighted mean under one mask; {sorted(set(config.merge_methods) - set(linear))} is not one (use uniform "
+            "or greedy, or replica_params='all')"
+        )
+    if "imp_reprune" in config.baselines:
+        raise ValueError("baselines: imp_reprune averages replicas with different masks; leave it out with subsets")
+    if isinstance(config.lora_rank, bool) or not isinstance(config.lora_rank, int) or config.lora_rank < 1:
+        raise ValueError(f"lora_rank must be a positive integer, got {config.lora_rank!r}")
+    if not config.lora_alpha > 0 or not 0 <= config.lora_dropout < 1:
+        raise ValueError(
+            f"need lora_alpha > 0 and 0 <= lora_dropout < 1, got {config.lora_alpha}, {config.lora_dropout}"
+        )
+
+
+REPLICA_PARAMS.add("all", ReplicaParams(description="every parameter (the paper's replicas)"))
+REPLICA_PARAMS.add(
+    "bias_norm",
+    ReplicaParams(trains=_bias_or_norm, description="biases and normalization weights only (PERP)"),
+    check=check_subset,
+)
+REPLICA_PARAMS.add(
+    "mask_lora",
+    ReplicaParams(adapters="mask_lora", description="MaskLoRA adapters W + M*(BA) on the prunable linears"),
+    check=check_subset,
+)
+REPLICA_PARAMS.add(
+    "scale_lora",
+    ReplicaParams(adapters="scale_lora", description="ScaleLoRA adapters W*(1+BA) on the prunable linears"),
+    check=check_subset,
+)
+
+
+def kind_of(args) -> ReplicaParams:
+    return REPLICA_PARAMS.get(getattr(args, "replica_params", "all"))
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """``model`` holds peft LoRA layers (injected by hf-sms, or a user's ``PeftModel``)."""
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the model without adapters: peft's ``base_model.model.`` prefix and ``.base_layer``
+    dropped."""
+    return name.removeprefix("base_model.model.").replace(BASE_LAYER, "")
+
+
+def lora_targets(model: nn.Module) -> list[str]:
+    """The default LoRA targets: every prunable ``nn.Linear`` (full module names)."""
+    from ..pruning.prunable import prunable_tensors
+
+    modules = dict(model.named_modules())
+    names = [t.name.rsplit(".", 1)[0] for t in prunable_tensors(model)]
+    return [n for n in dict.fromkeys(names) if isinstance(modules.get(n), nn.Linear)]
+
+
+def _module_of(model: nn.Module) -> dict[str, nn.Module]:
+    """Each parameter's owning module, by the parameter's full name."""
+    return {
+        f"{m}.{p}" if m else p: mod for m, mod in model.named_modules() for p, _ in mod.named_parameters(recurse=False)
+    }
+
+
+def make_replica(start: nn.Module, args) -> nn.Module:
+    """A replica of ``start`` that trains what ``args.replica_params`` says; ``"all"``: a full copy. A subset replica
+    shares the storage of every frozen weight with ``start`` (never written: it has no gradient)."""
+    kind = kind_of(args)
+    if kind.full:
+        return copy.deepcopy(start)
+    owner = _module_of(start)
+    frozen = {
+        name: p
+        for name, p in start.named_parameters(remove_duplicate=False)
+        if kind.adapters is not None or not kind.trains(name, p, owner[name])
+    }
+    # new Parameter objects over the same storage: the start's own keep their requires_grad
+    memo = {id(p): nn.Parameter(p.data, requires_grad=False) for p in frozen.values()}
+    replica = copy.deepcopy(start, memo)
+    if kind.adapters is None:
+        for name, p in replica.named_parameters():
+            p.requires_grad_(name not in frozen)
+        return replica
+    from peft import inject_adapter_in_model
+
+    from .lora import lora_config
+
+    targets = args.lora_target_modules or lora_targets(start)
+    if not targets:
+        raise ValueError(
+            f"replica_params={args.replica_params!r} found no nn.Linear to adapt in {type(start).__name__} (LoRA "
+            "adapts linear layers; convolutions are not): use replica_params='bias_norm', or name the layers with "
+            "lora_target_modules"
+        )
+    config = lora_config(kind.adapters, args.lora_rank, args.lora_alpha, targets, args.lora_dropout)
+    replica = inject_adapter_in_model(config, replica)
+    for p in replica.parameters():  # peft keeps adapters in the base's dtype: fp32 for the optimizer's sake
+        if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()
+    return replica
+
+
+def trained_state(replica: nn.Module) -> State:
+    """What a subset replica trained: ``{name: tensor}`` of its trainable parameters (detached, this device)."""
+    return {n: p.detach() for n, p in replica.named_parameters() if p.requires_grad}
+
+
+def load_trained_state(replica: nn.Module, state: State) -> None:
+    params = dict(replica.named_parameters())
+    missing = sorted(set(trained_state(replica)) ^ set(state))
+    if missing:
+        raise ValueError(f"the saved replica's tensors do not match this replica's (e.g. {missing[:3]})")
+    with torch.no_grad():
+        for name, t in state.items():
+            params[name].copy_(t)
+
+
+def _lora_layers(model: nn.Module):
+    from peft.tuners.lora import LoraLayer
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+@torch.no_grad()
+def layer_update(layer, adapter: str = "default", weights: Sequence[float] = (1.0,), states=None, prefix=""):
+    """The update of one LoRA layer as its merge writes it (dense, the base's shape), float32; with ``states`` (one
+    trained state per replica) the weighted sum of theirs."""
+    from .lora import MaskLoraLinear
+
+    base = layer.get_base_layer().weight
+    if states is None:
+        delta = layer.get_delta_weight(adapter)
+        return delta.float() if isinstance(layer, MaskLoraLinear) else delta.float() * (base != 0)
+    product = None
+    for w, state in zip(weights, states):
+        a = state[f"{prefix}.lora_A.{adapter}.weight"].to(base.device, torch.float32)
+        b = state[f"{prefix}.lora_B.{adapter}.weight"].to(base.device, torch.float32)
+        product = w * (b @ a) if product is None else product.add_(b @ a, alpha=w)
+    from .lora import gate_of
+
+    return product * gate_of(base, layer.variant.kind).float() * layer.scaling[adapter]
+
+
+@torch.no_grad()
+def soup_of_states(start: nn.Module, states: Sequence[State], weights: Sequence[float], args):
+    """The soup of subset replicas of ``start`` (made with ``args``): a plain copy of ``start`` plus the weighted sum
+    of their updates (``weights`` sum to 1), layer by layer; pruned weights stay exactly zero."""
+    kind, model = kind_of(args), copy.deepcopy(start)
+    params = dict(model.named_parameters())
+    if kind.adapters is None:  # the trained tensors themselves: their weighted mean (float64 sums, as every soup)
+        from ..soup.averaging import average_tensors
+
+        for name in states[0]:
+            params[name].copy_(average_tensors([s[name] for s in states], weights))
+        return model
+    for prefix, layer in _lora_layers(make_replica(start, args)):
+        delta = layer_update(layer, weights=weights, states=states, prefix=prefix)
+        weight = params[plain_name(prefix) + ".weight"]
+        weight.add_(delta.to(weight.dtype) * (weight != 0))  # zeros stay exactly zero whatever the sum's rounding
+    return model
+
+
+def replica_distances(start: nn.Module, states: Sequence[State], args) -> list[float]:
+    """L2 distance between every pair of replicas' weights (i < j order), from their trained states: the base is
+    shared, so only the updates differ; one dense layer update at a time."""
+    n, kind = len(states), kind_of(args)
+    sq = {(i, j): 0.0 for i in range(n) for j in range(i + 1, n)}
+    if kind.adapters is None:
+        for name in states[0]:
+            for i, j in sq:
+                sq[i, j] += float((states[i][name].double() - states[j][name].double()).square().sum())
+    else:
+        for prefix, layer in _lora_layers(make_replica(start, args)):
+            deltas = [layer_update(layer, states=[s], prefix=prefix) for s in states]
+            for i, j in sq:
+                sq[i, j] += float((deltas[i].double() - deltas[j].double()).square().sum())
+    return [v**0.5 for v in sq.values()]
+
+
+ADAPTER_FOLDER = "adapter"  # beside a merged soup: the adapter in peft's format
+KIND_KEY = "hf_sms_replica_params"
+
+
+def adapted(model: nn.Module) -> bool:
+    """``model`` holds LoRA layers (peft's, injected or in a ``PeftModel``); no peft import needed to ask."""
+    return any(hasattr(m, "lora_A") for m in model.modules())
+
+
+def adapter_masks(model: nn.Module, masks):
+    """``masks`` (plain parameter names) under ``model``'s names (``.base_layer``, ``base_model.model.``)."""
+    names = {plain_name(n): n for n, _ in model.named_parameters()}
+    return {names.get(k, k): m for k, m in masks.items()}
+
+
+def merged_copy(model: nn.Module) -> nn.Module:
+    """A plain copy of an adapted model with its updates merged under its zeros (the model itself is untouched)."""
+    from .merge import merge_adapters
+
+    return merge_adapters(copy.deepcopy(model))
+
+
+def save_adapter(model: nn.Module, folder: str) -> None:
+    """The adapter of ``model`` in peft's format (``adapter_config.json``, ``adapter_model.safetensors``), written
+    atomically; a MaskLoRA / ScaleLoRA adapter records its kind (load it with :func:`load_adapter`)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from ..checkpoint.folder import atomic_folder
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = model.peft_config["default"]
+    kinds = {getattr(type(m), "variant", None) for m in inner.modules() if hasattr(m, "lora_A")}
+    kind = next((k.kind + "_lora" for k in kinds if k is not None), "lora")
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    with atomic_folder(folder, "replace") as tmp:
+        config.save_pretrained(tmp)
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        save_file(tensors, f"{tmp}/adapter_model.safetensors", metadata={"format": "pt", KIND_KEY: kind})
+
+
+def load_adapter(model: nn.Module, folder: str, args=None) -> nn.Module:
+    """``model`` (the plain pruned model) with the adapter saved in ``folder`` injected: a MaskLoRA / ScaleLoRA
+    adapter as hf-sms trains it (peft alone would rebuild a plain LoRA layer); the weights are shared, not copied."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from ..checkpoint.folder import checkpoint_file
+
+    path = checkpoint_file(folder, "adapter_model.safetensors")
+    config_path = checkpoint_file(folder, "adapter_config.json")
+    if path is None or config_path is None:
+        raise ValueError(f"{folder} holds no adapter_model.safetensors and adapter_config.json (a peft adapter)")
+    with safe_open(path, "pt") as f:
+        kind, state = (f.metadata() or {}).get(KIND_KEY, "lora"), {k: f.get_tensor(k) for k in f.keys()}
+    with open(config_path) as f:
+        saved = json.load(f)
+    if kind not in ("mask_lora", "scale_lora"):
+        raise ValueError(f"{os.path.basename(folder)} is a plain LoRA adapter: load it with peft, then merge_adapters")
+    targets = saved.get("target_modules")
+    args = args or _AdapterArgs(kind, saved["r"], saved["lora_alpha"], sorted(targets) if targets else None)
+    replica = make_replica(model, args)
+    state = {_with_adapter_name(k): v for k, v in state.items()}
+    load_trained_state(replica, state)
+    return replica
+
+
+def _with_adapter_name(key: str) -> str:
+    """peft saves ``x.lora_A.weight``; the live module holds ``x.lora_A.default.weight``."""
+    for factor in (".lora_A.", ".lora_B."):
+        key = key.replace(f"{factor}weight", f"{factor}default.weight")
+    return key
+
+
+@dataclass
+class _AdapterArgs:
+    replica_params: str
+    lora_rank: int
+    lora_alpha: float
+    lora_target_modules: list[str] | None
+    lora_dropout: float = 0.0
