@@ -78,6 +78,7 @@ class PhaseResult:
     step: PruningStep | dict[int, PruningStep]
     seconds: float = 0.0
     owners: list[int] | None = None
+    pairwise_l2: list[float] | None = None  # measured where the candidates are not whole models (subset replicas)
     rows: list[dict] | None = None  # a TrackJob's: the measured row of each of its phases
 
     @property

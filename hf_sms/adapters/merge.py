@@ -80,6 +80,8 @@ def merge_adapters(model: nn.Module, masks: Masks | None = None, return_report: 
                 dropped_entries += int((dropped != 0).sum())
                 p.masked_fill_(~keep, 0)
         _replace(base, name, trained)
+    if not hasattr(model, "get_base_model") and "peft_config" in vars(base):
+        del base.peft_config  # peft's record of injected adapters: none are left
     total = kept_sq + dropped_sq
     fraction = dropped_sq / total if total else 0.0
     report = {"layers": layers, "dropped_fraction": fraction, "dropped_entries": dropped_entries}

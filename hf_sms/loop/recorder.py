@@ -149,7 +149,7 @@ class Recorder:
             "target_sparsity": sparsity,
             "candidates_val": val,
             "candidates_test": test,
-            "pairwise_l2": self.world.pairwise_l2(cands, len(val), numel),
+            "pairwise_l2": result.pairwise_l2 or self.world.pairwise_l2(cands, len(val), numel),
             **diversity(self.metric_fn, self.world, cands, val, self.eval_dataset, self.test_dataset),
             "seconds": round(result.seconds, 3),
             "eval_seconds": round(self.eval_seconds, 3),  # the soup's validation and test sets

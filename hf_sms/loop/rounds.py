@@ -19,10 +19,11 @@ import logging
 import os
 import time
 
+from ..adapters.replica import kind_of, make_replica, replica_distances, trained_state
 from ..checkpoint.constants import SPARSITY_NAME
 from ..phase import PhaseResult, PhaseSpec, TrackJob
 from ..pruning.masks import PruningStep
-from ..soup.soup import soup
+from ..soup.soup import soup, subset_soup
 from .schedule import job_steps, place
 
 logger = logging.getLogger("hf_sms")
@@ -98,7 +99,13 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
             else:
                 starts, steps, _ = pruned[s]
                 model = ctx.train_replica(
-                    starts[i], steps[i], spec.hparams[i], folder, check_mask=spec.exact_masks, **spec.trainer_kwargs(i)
+                    starts[i],
+                    steps[i],
+                    spec.hparams[i],
+                    folder,
+                    check_mask=spec.exact_masks,
+                    keep_adapters=spec.shared and spec.soup is not None,
+                    **spec.trainer_kwargs(i),
                 )
                 model = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
         if placed[folder][0] == world.group_index:
@@ -145,6 +152,21 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
     plan, example, world = ctx.args.plan, ctx.example, ctx.world
     val = ctx.gather_metric(candidates, ctx.eval_dataset)
     result, kept = None, []
+    if spec.soup is not None and spec.shared and not kind_of(ctx.args).full:  # souped from the trained subsets
+        n, template = len(spec.hparams), trained_state(make_replica(spec.start, ctx.args))
+        states = world.all_candidates({i: trained_state(c) for i, c in candidates.items()}, n, template)
+        result, weights = subset_soup(
+            spec.start,
+            [states[i] for i in range(n)],
+            spec.soup,
+            ctx.args,
+            scores=val,
+            evaluate=lambda m: ctx.recorder.evaluate(m, ctx.eval_dataset, shared=True),
+            recalibrate=ctx.recalibrate,
+        )
+        kept = [i for i, w in enumerate(weights) if w]
+        pairwise = replica_distances(spec.start, [states[i] for i in range(n)], ctx.args)
+        return PhaseResult(result, candidates, val, kept, step, pairwise_l2=pairwise)
     if spec.soup is not None:
         result, weights = soup(
             candidates,

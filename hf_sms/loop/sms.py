@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
+from ..adapters.replica import kind_of
 from ..batchnorm import has_batchnorm
 from ..checkpoint import load_sparse, save_sparse
 from ..checkpoint.constants import FINAL_SOUP, RESULTS_FILE, SPARSITY_NAME
@@ -33,6 +34,7 @@ from .checks import check_inputs, check_model, check_world
 from .distributed import ReplicaWorld
 from .final_soup import save_final_soup
 from .recorder import Recorder
+from .replica_training import fit, train_subset
 from .rounds import drive, run_round
 from .run_directory import RunDirectory, run_fingerprint
 
@@ -269,12 +271,19 @@ class SparseModelSoup:
         name: str,
         callbacks=(),
         check_mask: bool = True,
+        keep_adapters: bool = False,
         **trainer_kwargs,
     ) -> nn.Module:
         """Retrain a copy of ``start`` under ``step.masks`` into the checkpoint folder ``name`` (one that
         ``load_sparse`` and ``hf-sms merge`` read); a finished replica is loaded, not retrained.
-        ``callbacks`` and ``trainer_kwargs`` go to its :class:`SparseSoupTrainer` (e.g. GMP's pruning)."""
+        ``callbacks`` and ``trainer_kwargs`` go to its :class:`SparseSoupTrainer` (e.g. GMP's pruning).
+
+        With ``args.replica_params`` other than ``"all"`` the replica trains that subset and shares the rest with
+        ``start`` (:mod:`hf_sms.adapters`); it is returned as such with ``keep_adapters`` (a soup is made from the
+        updates), else merged into a plain model."""
         folder = self.run_dir.path(name)
+        if not kind_of(args).full:
+            return train_subset(self, start, step, args, name, keep_adapters, callbacks, **trainer_kwargs)
         model = copy.deepcopy(start)
         if os.path.isfile(os.path.join(folder, SPARSITY_NAME)):  # written last: the replica is complete
             logger.info("[hf-sms] %s: finished earlier, loading %s", name, folder)
@@ -293,28 +302,7 @@ class SparseModelSoup:
                     "under another mask. Delete that folder to retrain the replica, or use a fresh --output_dir"
                 )
             return model.train()
-        kept = sum(int(m.sum()) for m in step.masks.values()) / max(sum(m.numel() for m in step.masks.values()), 1)
-        logger.info(
-            "[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s, rank %d/%d)",
-            name,
-            1 - kept,
-            args.seed,
-            args.learning_rate,
-            args.weight_decay,
-            args.num_train_epochs,
-            self.world.rank,
-            self.world.size,
-        )
-        # only the final soup is pushed; a replica data-parallel over its group of k keeps the run's batch (the paper's)
-        k = self.world.group_size
-        batch = args.per_device_train_batch_size // k
-        args = dataclasses.replace(args, output_dir=folder, push_to_hub=False, per_device_train_batch_size=batch)
-        group = {"process_group": self.world.subgroup} if self.world.subgroup is not None else {}
-        kwargs = {**self.trainer_kwargs, "callbacks": self.trainer_kwargs["callbacks"] + list(callbacks)}
-        trainer = self.trainer_class(
-            model, args, masks=step, train_dataset=self.train_dataset, **group, **kwargs, **trainer_kwargs
-        )
-        trainer.train()
+        fit(self, model, step, args, folder, callbacks, **trainer_kwargs)
         if self.world.is_group_main:
             save_sparse(model, folder, processing_class=self.processing_class)  # atomic, sparsity.json last
         return model

@@ -25,6 +25,7 @@ parser.add_argument("--per-phase", type=int, nargs="*", default=None, help="m of
 parser.add_argument("--pruning-method", default="imp", help="imp, or gmp/dpf (then --steps is the whole budget)")
 parser.add_argument("--merge-methods", nargs="*", default=None, help="soup methods (default: greedy; DPF: uniform)")
 parser.add_argument("--share", action="store_true", help="share_idle_groups: a lone last job over idle groups")
+parser.add_argument("--replica-params", default="all", help="what a replica trains (all, bias_norm, mask_lora, ...)")
 parser.add_argument("--eval-copies", type=int, default=1, help="validation and test sets repeated (benchmarks)")
 cli = parser.parse_args()
 
@@ -54,6 +55,8 @@ args = SparseSoupConfig(
     merge_methods=cli.merge_methods or (["uniform"] if cli.pruning_method == "dpf" else ["greedy"]),  # DPF: the mean
     replicas_per_phase=cli.per_phase,
     share_idle_groups=cli.share,
+    replica_params=cli.replica_params,
+    lora_rank=2,
 )
 noisy = TensorDictDataset(
     test.x + 0.3 * torch.randn(test.x.shape, generator=torch.Generator().manual_seed(0)), test.labels
