@@ -43,3 +43,4 @@ PUBLISHED_FILES = re.compile(r"^(" + "|".join(_PUBLISHED) + r")$")
 # A run folder (hf_sms.loop.run_directory) and a SparseSoupTrainer checkpoint.
 RUN_FILE, LOCK_FILE, RESULTS_FILE, FINAL_SOUP = "run.json", ".hf-sms.lock", "results.json", "final_soup"
 MASKS_NAME = "sparse_masks.safetensors"
+REPLICA_STATE = "replica.safetensors"  # a subset replica's trained tensors (hf_sms.adapters): its folder's only file

@@ -35,9 +35,25 @@ from ..soup.averaging import Accumulator
 StateDict = dict[str, torch.Tensor]
 
 
+BUCKET = 1 << 22  # elements per all-reduce of a soup or distance: bounded float64 copies, few collectives
+
+
 def _flat(state_dict: StateDict, keys) -> torch.Tensor:
     tensors = [state_dict[k].reshape(-1) for k in keys]
     return torch.cat(tensors) if tensors else torch.zeros(0)
+
+
+def _buckets(template: StateDict, keys) -> list[tuple]:
+    """``keys`` in consecutive groups of at most ``BUCKET`` elements (a larger tensor alone)."""
+    out, current, size = [], [], 0
+    for k in keys:
+        n = template[k].numel()
+        if current and size + n > BUCKET:
+            out.append(tuple(current))
+            current, size = [], 0
+        current.append(k)
+        size += n
+    return out + ([tuple(current)] if current else [])
 
 
 # What launchers set; hidden from accelerate once replica groups exist, so that each replica's Trainer
@@ -275,19 +291,21 @@ class ReplicaWorld:
         ints = tuple(k for k, v in template.items() if not v.is_floating_point())
         first = next(i for i, w in enumerate(weights) if w)
         mine = [i for i, w in enumerate(weights) if w and i in local] if self.is_group_main else []
-        acc = {keys: Accumulator(_flat(template, keys), self.device) for keys in (floats, ints)}
-        for i in mine:
-            acc[floats].add(_flat(local[i], floats), weights[i])
-        if first in mine:
-            acc[ints].add(_flat(local[first], ints))
         out = {}
-        for keys, a in acc.items():
-            if self.size > 1 and keys:
-                dist.all_reduce(a.total)
+        # bucket by bucket: the float64 sums and flat copies of one bucket at a time, never of the whole model
+        for keys, floating in [(b, True) for b in _buckets(template, floats)] + [(ints, False)]:
+            if not keys:
+                continue
+            acc = Accumulator(_flat(template, keys), self.device)
+            for i in mine if floating else [first] if first in mine else []:
+                acc.add(_flat(local[i], keys), weights[i] if floating else 1.0)
+            if self.size > 1:
+                dist.all_reduce(acc.total)
             offset = 0
             for k in keys:  # cast each tensor from the float64 sum, as Accumulator.result does
                 n = template[k].numel()
-                out[k] = a.total[offset : offset + n].view(template[k].shape).to(template[k].device, template[k].dtype)
+                like = template[k]
+                out[k] = acc.total[offset : offset + n].view(like.shape).to(like.device, like.dtype)
                 offset += n
         return {k: out[k] for k in template}
 
@@ -332,16 +350,21 @@ class ReplicaWorld:
         return total.cpu()
 
     @torch.no_grad()
-    def pairwise_l2(self, local: dict[int, torch.nn.Module], n: int, numel: int) -> list[float]:
-        """L2 distance between every pair of the ``n`` replicas (``numel`` parameters each), i < j order."""
-        flats = {i: torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]) for i, m in local.items()}
-        dists = {}
-        for j in range(n):  # the owner of j shares it; every group measures its own replicas against it
-            ref = self._from_owner(flats.get(j), j, numel)
-            dists.update(
-                {(i, j): float(torch.linalg.vector_norm(flats[i] - ref.to(flats[i].device))) for i in flats if i < j}
-            )
-        dists = self.gather(dists)
+    def pairwise_l2(self, local: dict[int, torch.nn.Module], n: int, like: torch.nn.Module) -> list[float]:
+        """L2 distance between every pair of the ``n`` replicas (models shaped like ``like``), i < j order; one
+        bucket of parameters at a time (float64 copies of a bucket, never of whole models)."""
+        shapes = dict(like.named_parameters())
+        params = {i: dict(m.named_parameters()) for i, m in local.items()}
+        sq = {(i, j): 0.0 for j in range(n) for i in params if i < j}
+        for bucket in _buckets(shapes, list(shapes)):
+            flats = {i: torch.cat([ps[k].detach().reshape(-1).double() for k in bucket]) for i, ps in params.items()}
+            size = sum(shapes[k].numel() for k in bucket)
+            for j in range(n):  # the owner of j shares it; every group measures its own replicas against it
+                ref = self._from_owner(flats.get(j), j, size)
+                for i in flats:
+                    if i < j:
+                        sq[i, j] += float((flats[i] - ref.to(flats[i].device)).square().sum())
+        dists = self.gather({key: v**0.5 for key, v in sq.items()})
         return [dists[(i, j)] for i in range(n) for j in range(i + 1, n)]
 
     def _from_owner(self, tensor: torch.Tensor | None, replica: int, numel: int) -> torch.Tensor:

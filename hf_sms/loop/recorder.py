@@ -142,14 +142,13 @@ class Recorder:
                 self.row(name + suffix, p, {**same, **picked}, index=i)
             mean = {"val": _mean(val), "test": _mean(test), "tests": {n: _mean(v) for n, v in tests.items()}}
             self.row("mean_candidate" + suffix, p, {**same, **mean})
-        numel = sum(t.numel() for t in soup.parameters())
         diag = {
             "phase": p + 1,
             "trajectory": method,
             "target_sparsity": sparsity,
             "candidates_val": val,
             "candidates_test": test,
-            "pairwise_l2": result.pairwise_l2 or self.world.pairwise_l2(cands, len(val), numel),
+            "pairwise_l2": result.pairwise_l2 or self.world.pairwise_l2(cands, len(val), soup),
             **diversity(self.metric_fn, self.world, cands, val, self.eval_dataset, self.test_dataset),
             "seconds": round(result.seconds, 3),
             "eval_seconds": round(self.eval_seconds, 3),  # the soup's validation and test sets

@@ -3,7 +3,9 @@ and replicas that train a subset of the model (``replica_params``; :mod:`hf_sms.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import logging
 import os
 
@@ -12,17 +14,16 @@ from torch import nn
 
 from ..adapters.replica import load_trained_state, make_replica, merged_copy, trained_state
 from ..atomic import atomic_path
-from ..checkpoint import save_sparse
-from ..checkpoint.constants import SPARSITY_NAME
+from ..checkpoint.constants import REPLICA_STATE
 from ..checkpoint.folder import checkpoint_file
 
 logger = logging.getLogger("hf_sms")
-REPLICA_STATE = "replica.safetensors"  # a subset replica's trained tensors, beside its merged checkpoint
 
 
 def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), **trainer_kwargs) -> nn.Module:
     """Train ``model`` in place under ``step.masks`` with the run's trainer class, its output in ``folder``."""
-    kept = sum(int(m.sum()) for m in step.masks.values()) / max(sum(m.numel() for m in step.masks.values()), 1)
+    masks = step.masks.values()
+    kept = sum(int(m.count_nonzero()) for m in masks) / max(sum(m.numel() for m in masks), 1)
     logger.info(
         "[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s, params=%s, rank %d/%d)",
         os.path.relpath(folder, ctx.args.output_dir),
@@ -44,27 +45,39 @@ def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), **trainer_
         model, args, masks=step, train_dataset=ctx.train_dataset, **group, **kwargs, **trainer_kwargs
     )
     trainer.train()
+    del trainer
+    release_memory()
     return model
 
 
+def release_memory() -> None:
+    """Hand the memory a finished trainer freed (gradients, optimizer state, activations) back to the system:
+    glibc keeps large freed blocks in its heap, so without this each replica's training leaves the process a
+    model's worth larger or more (benchmarks/replica_memory.py). A no-op where glibc is not the allocator."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def train_subset(ctx, start, step, args, name: str, keep_adapters: bool, callbacks=(), **trainer_kwargs) -> nn.Module:
-    """A replica that trains ``args.replica_params`` of ``start`` (sharing the rest with it). Its folder holds the
-    merged model (what ``load_sparse`` and ``hf-sms merge`` read) and the trained tensors (``replica.safetensors``,
-    read on resume). Returns the replica itself with ``keep_adapters`` (soups are made from the updates), else the
-    merged plain model."""
+    """A replica that trains ``args.replica_params`` of ``start`` (sharing the rest with it). Its folder holds what
+    it trained, ``replica.safetensors`` (written atomically: its presence marks the replica done): a replica of a
+    large model costs megabytes of disk, not a model. Returns the replica itself with ``keep_adapters`` (soups are
+    made from the updates), else the merged plain model (IMP's next phase starts from it)."""
     folder = ctx.run_dir.path(name)
     path = os.path.join(folder, REPLICA_STATE)
     replica = make_replica(start, args)
-    if os.path.isfile(os.path.join(folder, SPARSITY_NAME)):  # written last: the replica is complete
+    if os.path.isfile(path):
         logger.info("[hf-sms] %s: finished earlier, loading %s", name, path)
         if checkpoint_file(folder, REPLICA_STATE) is None:
-            raise ValueError(f"{folder} holds no {REPLICA_STATE}: delete that folder to retrain the replica")
+            raise ValueError(f"{path} is not a regular file inside {folder}: delete that folder to retrain the replica")
         load_trained_state(replica, load_file(path))
-        return replica if keep_adapters else merged_copy(replica)
-    fit(ctx, replica, step, args, folder, callbacks, **trainer_kwargs)
-    merged = None if keep_adapters and not ctx.world.is_group_main else merged_copy(replica)
-    if ctx.world.is_group_main:  # the tensors first: sparsity.json, written last by save_sparse, marks it done
-        with atomic_path(path) as tmp:
-            save_file({k: v.contiguous() for k, v in trained_state(replica).items()}, tmp)
-        save_sparse(merged, folder, processing_class=ctx.processing_class)
-    return replica if keep_adapters else merged
+    else:
+        fit(ctx, replica, step, args, folder, callbacks, **trainer_kwargs)
+        if ctx.world.is_group_main:
+            with atomic_path(path) as tmp:
+                meta = {"format": "pt", "replica_params": args.replica_params}
+                save_file({k: v.contiguous() for k, v in trained_state(replica).items()}, tmp, metadata=meta)
+    return replica if keep_adapters else merged_copy(replica)

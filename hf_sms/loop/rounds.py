@@ -20,7 +20,7 @@ import os
 import time
 
 from ..adapters.replica import kind_of, make_replica, replica_distances, trained_state
-from ..checkpoint.constants import SPARSITY_NAME
+from ..checkpoint.constants import REPLICA_STATE, SPARSITY_NAME
 from ..phase import PhaseResult, PhaseSpec, TrackJob
 from ..pruning.masks import PruningStep
 from ..soup.soup import soup, subset_soup
@@ -86,7 +86,7 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
     for folder in sorted(mine, key=lambda f: (planned[f], -costs[f])):  # every group in the planned order
         s, i = jobs[folder]
         spec = specs[s]
-        resumed = os.path.isfile(os.path.join(ctx.run_dir.path(folder), SPARSITY_NAME))
+        resumed = any(os.path.isfile(os.path.join(ctx.run_dir.path(folder), f)) for f in (SPARSITY_NAME, REPLICA_STATE))
         t0 = ctx.clock()
         with world.joined(placed[folder]):  # several groups: they start together
             if len(placed[folder]) > 1:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Subset
 from transformers.trainer_utils import has_length
 
-from ..checkpoint.constants import LOCK_FILE, RUN_FILE, SPARSITY_NAME, TMP_PREFIX
+from ..checkpoint.constants import LOCK_FILE, REPLICA_STATE, RUN_FILE, SPARSITY_NAME, TMP_PREFIX
 from ..data import peek
 from ..results import save_results
 
@@ -294,7 +294,7 @@ class RunDirectory:
 
     def _trained_nothing(self) -> bool:
         """No replica finished (no checkpoint's ``sparsity.json`` anywhere): nothing a rerun could reuse."""
-        return not any(SPARSITY_NAME in files for _, _, files in os.walk(self.root))
+        return not any(SPARSITY_NAME in files or REPLICA_STATE in files for _, _, files in os.walk(self.root))
 
     def _remove_stale_temporaries(self) -> None:
         """Folders and files a killed run was writing (never installed, so never taken as finished); safe under the

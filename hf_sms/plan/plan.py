@@ -55,7 +55,11 @@ class PruningPlan:
             tensors = [replace(t, uses=tuple(uses.get(id(t.param), ()))) for t in tensors]
         current = {t.name: torch.ones_like(t.param, dtype=torch.bool) for t in tensors}
         current.update({n: m.to(current[n].device) for n, m in (masks or {}).items()})
-        weights = {t.name: t.param.detach().float() * current[t.name] for t in tensors}
+        # the weights themselves where nothing is pruned yet (criteria never write to them): no copy of the model
+        weights = {
+            t.name: t.param.detach().float() * current[t.name] if t.name in (masks or {}) else t.param.detach().float()
+            for t in tensors
+        }
         context = CriterionContext(model, example_inputs, self.seed)
         scores = criterion_scores(self.criterion, tensors, weights, context)
         return self.structure.masks(self, model, tensors, scores, current, float(sparsity), example_inputs)

@@ -19,6 +19,7 @@ import torch
 
 from ..registry import ALLOCATIONS
 from .prunable import Masks, PrunableTensor, first_use, last_use
+from .select import top_k
 
 Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
 register_allocation = ALLOCATIONS.register
@@ -44,6 +45,14 @@ def _n_keep(numel: int, sparsity: float, alive: int) -> int:
 
 
 def _global_top(tensors, scores: dict[str, torch.Tensor], masks: Masks, sparsity: float) -> Masks:
+    if all(scores[t.name].dtype != torch.float64 for t in tensors):  # no concatenated copy (pruning/select.py)
+        numel = sum(t.param.numel() for t in tensors)
+        alive = sum(int(torch.count_nonzero(masks[t.name])) for t in tensors)  # a bool sum() upcasts to int64
+        n_keep = _n_keep(numel, sparsity, alive)
+        kept = top_k(
+            [scores[t.name] for t in tensors], [masks[t.name].to(scores[t.name].device) for t in tensors], n_keep
+        )
+        return {t.name: keep.to(masks[t.name].device) for t, keep in zip(tensors, kept)}
     flat = torch.cat([_masked_scores(scores[t.name], masks[t.name]).reshape(-1) for t in tensors])
     alive = int(sum(int(masks[t.name].sum()) for t in tensors))
     keep = _keep_top(flat, _n_keep(flat.numel(), sparsity, alive))

@@ -129,6 +129,6 @@ class PruningStep:
         alive = newly = 0
         for name, mask in masks.items():
             nz = tensors[name].param.detach() != 0
-            alive += int(nz.sum())
-            newly += int((nz & ~mask.to(nz.device)).sum())
+            alive += int(torch.count_nonzero(nz))  # bool sum() would upcast to an int64 copy
+            newly += int(torch.count_nonzero(nz & ~mask.to(nz.device)))
         return cls(masks, pruned_norm_fraction(model, masks), newly / alive if alive else 0.0)

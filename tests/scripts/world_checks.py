@@ -47,7 +47,7 @@ if mode == "replicas":  # 2 processes, m = 2: one replica each
     expected = average_state_dicts([m.state_dict() for m in models])
     assert all(torch.allclose(soup[k], expected[k], atol=1e-7, rtol=0) for k in soup)
     assert world.gather({rank: f"score{rank}"}) == {0: "score0", 1: "score1"}
-    d = world.pairwise_l2({rank: models[rank]}, 2, sum(p.numel() for p in models[0].parameters()))
+    d = world.pairwise_l2({rank: models[rank]}, 2, models[0])
     flat = [torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]) for m in models]
     assert abs(d[0] - float((flat[0] - flat[1]).norm())) < 1e-9
     # Every replica starts from rank 0's model, even where the processes built different ones; the user's

@@ -1,0 +1,60 @@
+"""Keep the ``k`` largest of many tensors' scores without concatenating them: a radix select on the scores' bits.
+
+``torch.cat`` of every score plus ``torch.topk`` over the result holds the scores about 8 times over (the copy,
+topk's values, its int64 indices and its work buffers): 8x the model's bytes at the moment a large model is pruned.
+Here the threshold is found digit by digit (8 bits a pass, 4 passes for float32) from histograms of chunks, so the
+memory beyond the scores is one chunk's. The result is the same set as a global top-k (ties broken by position,
+tensors in order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+CHUNK = 1 << 20  # elements per histogram step: 8 MiB of int64 keys
+
+
+def _keys(scores: torch.Tensor) -> torch.Tensor:
+    """Non-negative int64 keys ordered as the float32 scores (IEEE bits, negatives reversed, shifted by 2^31)."""
+    raw = scores.float().contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(raw < 0, raw ^ 0x7FFFFFFF, raw) + (1 << 31)
+
+
+def _chunks(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """``(tensor index, keys of one chunk, chunk start)``; pruned entries (mask False) get the lowest key."""
+    for i, (s, m) in enumerate(zip(scores, masks)):
+        flat, keep = s.reshape(-1), m.reshape(-1)
+        for start in range(0, flat.numel(), CHUNK):
+            part = flat[start : start + CHUNK].masked_fill(~keep[start : start + CHUNK], -torch.inf)
+            yield i, _keys(part), start
+
+
+def top_k(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int) -> list[torch.Tensor]:
+    """Bool masks keeping exactly the ``k`` largest scores over all tensors (float32 or narrower; entries whose mask
+    is False rank lowest), ties broken by position with the tensors in order."""
+    out = [torch.zeros(s.numel(), dtype=torch.bool, device=s.device) for s in scores]
+    total = sum(s.numel() for s in scores)
+    if k >= total:
+        return [o.fill_(True).view(s.shape) for o, s in zip(out, scores)]
+    prefix, need = 0, k  # among keys that start with ``prefix``, the ``need`` largest are still to keep
+    for shift in (24, 16, 8, 0):
+        hist = torch.zeros(256, dtype=torch.int64, device=scores[0].device)
+        for _, keys, _ in _chunks(scores, masks) if k > 0 else ():
+            if shift < 24:
+                keys = keys[(keys >> (shift + 8)) == prefix]
+            hist += torch.bincount((keys >> shift) & 0xFF, minlength=256)
+        above = hist.flip(0).cumsum(0).flip(0)  # above[d]: keys with this digit or a larger one
+        d = int((above >= need).nonzero().max()) if need > 0 else 255
+        need -= int(above[d + 1]) if d < 255 else 0  # those with a larger digit are all kept
+        prefix = prefix * 256 + d
+    ties = need
+    for i, keys, start in _chunks(scores, masks) if k > 0 else ():
+        keep = keys > prefix
+        if ties > 0:
+            equal = (keys == prefix).nonzero().reshape(-1)[:ties]
+            keep[equal] = True
+            ties -= equal.numel()
+        out[i][start : start + keys.numel()] = keep
+    return [o.view(s.shape) for o, s in zip(out, scores)]
