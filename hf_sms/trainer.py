@@ -20,7 +20,15 @@ from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
-from .adapters.replica import ADAPTER_FOLDER, adapted, adapter_masks, merged_copy, save_adapter
+from .adapters.replica import (
+    ADAPTER_FOLDER,
+    adapted,
+    adapter_masks,
+    kind_of,
+    make_replica,
+    merged_copy,
+    save_adapter,
+)
 from .arguments import as_sparse_arguments, sparse_config
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
@@ -124,6 +132,9 @@ class SparseSoupMixin:
         if args is None:
             args = sparse_config(self.arguments_class)(output_dir="tmp_trainer")
         args = as_sparse_arguments(args, self.arguments_class)
+        own = isinstance(model, nn.Module) and (adapted(model) or getattr(model, "hf_sms_replica", False))
+        if isinstance(model, nn.Module) and not kind_of(args).full and not own:
+            model = make_replica(model, args)  # trains args.replica_params; the rest shared with the model, frozen
         if isinstance(model, nn.Module):  # what the model's library needs (smp's config, a loss for logits-only models)
             family = family_of_model(model.get_base_model() if hasattr(model, "get_base_model") else model)
             family.prepare_training(model)

@@ -65,6 +65,19 @@ def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
         assert p["pairwise_l2"][0] > 0  # the replicas really differ before the merge
 
 
+@pytest.mark.parametrize("kind", ["mask_lora", pytest.param("bias_norm", marks=pytest.mark.slow)])
+def test_two_processes_give_the_sequential_soup_of_subset_replicas(tmp_path, kind):
+    """Replicas that train adapters (or biases and norms) exchange only those between processes: the soups of 1
+    and 2 processes are bit-identical, and so are the IMP baseline (same subset) and every row."""
+    runs = {n: tmp_path / f"p{n}" for n in (1, 2)}
+    for n, out in runs.items():
+        _run(_cmd(n, "sms_digits.py", out, "--replica-params", kind, "--baselines", "imp"))
+    assert _max_diff(_soup(runs[1]), _soup(runs[2])) == 0.0
+    seq, par = (json.loads((d / "results.json").read_text()) for d in runs.values())
+    assert untimed(par["rows"]) == untimed(seq["rows"]) and par["replica_params"] == kind
+    assert [d["pairwise_l2"] for d in par["sms"]] == [d["pairwise_l2"] for d in seq["sms"]]
+
+
 @pytest.mark.parametrize("method", ["gmp", pytest.param("dpf", marks=pytest.mark.slow)])  # 25 s each; GMP in CI
 def test_pruning_during_training_with_sms_on_two_processes(tmp_path, method):
     # the plain run before the copies is trained by one process and shared; the copies train in parallel

@@ -44,7 +44,9 @@ def merge_adapters(model: nn.Module, masks: Masks | None = None, return_report: 
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tuners = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
-    others = sorted({type(m).__name__ for m in tuners if not isinstance(m, LoraLayer)})
+    others = sorted(
+        {f"{type(m).__module__.split('.')[-2]}.{type(m).__name__}" for m in tuners if not isinstance(m, LoraLayer)}
+    )
     if others:
         raise ValueError(f"merge_adapters merges LoRA adapters; this model also has {others}: merge those with peft")
     kept_sq = dropped_sq = 0.0

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..registry import REPLICA_PARAMS
+from ..seeding import derive_seed
 
 State = dict[str, torch.Tensor]
 LORA_MARK = ".lora_"  # every peft LoRA parameter's name holds it (lora_A, lora_B, lora_embedding_*)
@@ -147,6 +148,7 @@ def make_replica(start: nn.Module, args) -> nn.Module:
     # new Parameter objects over the same storage: the start's own keep their requires_grad
     memo = {id(p): nn.Parameter(p.data, requires_grad=False) for p in frozen.values()}
     replica = copy.deepcopy(start, memo)
+    replica.hf_sms_replica = True  # SparseSoupMixin trains it as it is (no replica of a replica)
     if kind.adapters is None:
         for name, p in replica.named_parameters():
             p.requires_grad_(name not in frozen)
@@ -163,7 +165,10 @@ def make_replica(start: nn.Module, args) -> nn.Module:
             "lora_target_modules"
         )
     config = lora_config(kind.adapters, args.lora_rank, args.lora_alpha, targets, args.lora_dropout)
-    replica = inject_adapter_in_model(config, replica)
+    # A's random init from the replica's own stream: the same replica whatever ran before it in this process
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(getattr(args, "seed", 0), "lora"))
+        replica = inject_adapter_in_model(config, replica)
     for p in replica.parameters():  # peft keeps adapters in the base's dtype: fp32 for the optimizer's sake
         if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.float()
@@ -266,7 +271,11 @@ def merged_copy(model: nn.Module) -> nn.Module:
     """A plain copy of an adapted model with its updates merged under its zeros (the model itself is untouched)."""
     from .merge import merge_adapters
 
-    return merge_adapters(copy.deepcopy(model))
+    merged = merge_adapters(copy.deepcopy(model))
+    vars(merged).pop("hf_sms_replica", None)
+    for p in merged.parameters():
+        p.requires_grad_(True)
+    return merged
 
 
 def save_adapter(model: nn.Module, folder: str) -> None:

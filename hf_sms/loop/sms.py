@@ -121,7 +121,8 @@ class SparseModelSoup:
         if compute_loss_func is not None:
             self.trainer_kwargs["compute_loss_func"] = compute_loss_func
         self.collate = data_collator or default_data_collator
-        self.results: dict = {"rows": {}, "sms": []}
+        # what every replica and IMP baseline trained (replica_params): the rows compare like with like
+        self.results: dict = {"rows": {}, "sms": [], "replica_params": args.replica_params}
         self.set_phases(phase_sparsities(args.target_sparsity, args.n_phases))
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
         check_world(args, self.world)
@@ -259,6 +260,8 @@ class SparseModelSoup:
             **a.plan.describe(),
             "num_train_epochs": a.num_train_epochs,
             "max_steps": a.max_steps,
+            "replica_params": a.replica_params,  # what replicas and IMP baselines trained
+            **({"lora": {"rank": a.lora_rank, "alpha": a.lora_alpha}} if "lora" in a.replica_params else {}),
             **({"notes": self.model_card["notes"]} if self.model_card.get("notes") else {}),  # the card shows them
         }
 

@@ -1,0 +1,354 @@
+"""Replicas that train a few parameters (replica_params) and merges that keep a pruned model's zeros: MaskLoRA and
+ScaleLoRA on peft's layers, biases and norms, merge_adapters for a user's own LoRA, the trainer on a PeftModel,
+soups of subset replicas in the SMS loop (issue 35)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_sms import SparseSoupConfig, SparseSoupTrainer, apply_masks, compute_masks, load_sparse, run_sms
+from hf_sms.adapters import merge_adapters
+from hf_sms.adapters.lora import _GatedLowRank
+from hf_sms.adapters.replica import (
+    load_adapter,
+    make_replica,
+    merged_copy,
+    replica_distances,
+    save_adapter,
+    soup_of_states,
+    trained_state,
+)
+from hf_sms.data import TensorDictDataset, load_digits_splits
+from hf_sms.demo import DigitsResNet
+from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.pruning.masks import masks_from_model
+
+
+def lora_args(kind: str, rank: int = 4, targets=None):
+    return types.SimpleNamespace(
+        replica_params=kind, lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0, lora_target_modules=targets
+    )
+
+
+def tiny_llama(seed: int = 0, sparsity: float = 0.5):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    masks = compute_masks(model, sparsity)
+    apply_masks(model, masks)
+    return model, masks
+
+
+def revived(model, masks) -> int:
+    """Weights the masks prune that are not exactly zero in ``model`` (plain names)."""
+    now = masks_from_model(model)
+    return sum(int((now[k] & ~m).sum()) for k, m in masks.items())
+
+
+def train_steps(model, steps: int = 3, seed: int = 0, lr: float = 0.05):
+    g = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    for _ in range(steps):
+        ids = torch.randint(1, 64, (2, 8), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+# -- the layers --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["mask", "scale"])
+def test_gated_low_rank_gradients_are_exact(kind):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64) * (torch.rand(4, 5) > 0.5)
+    assert torch.autograd.gradcheck(lambda x, a, b: _GatedLowRank.apply(x, a, b, w, 0.7, kind), (x, a, b))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    out_f=st.integers(1, 12),
+    in_f=st.integers(1, 12),
+    rank=st.integers(1, 4),
+    sparsity=st.floats(0.0, 0.95),
+    kind=st.sampled_from(["mask_lora", "scale_lora"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_masked_and_scaled_lora_keep_every_zero(out_f, in_f, rank, sparsity, kind, dtype, seed):
+    """Trained, merged by peft's own merge, merged by merge_adapters and souped: the pruned entries stay exactly 0."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(in_f, out_f), nn.ReLU(), nn.Linear(out_f, 3)).to(dtype)
+    masks = {n: torch.rand(p.shape) >= sparsity for n, p in model.named_parameters() if n.endswith("weight")}
+    apply_masks(model, masks)
+    replicas = []
+    for s in range(2):
+        replica = make_replica(model, lora_args(kind, rank, targets=["0", "2"]))
+        params = [p for p in replica.parameters() if p.requires_grad]
+        assert params and all(p.dtype == torch.float32 for p in params)  # adapters train in fp32
+        opt = torch.optim.SGD(params, lr=0.5)
+        for _ in range(2):
+            x = torch.randn(4, in_f, generator=torch.Generator().manual_seed(s)).to(dtype)
+            replica(x).float().square().mean().backward()
+            with torch.no_grad():  # B starts at 0: move it, so the update is not trivially zero
+                for p in params:
+                    p.grad = p.grad + torch.randn_like(p) if p.grad is not None else torch.randn_like(p)
+            opt.step()
+            opt.zero_grad()
+        replicas.append(replica)
+    for p, q in zip(model.parameters(), replicas[0].parameters()):  # the base was never written
+        assert p.data_ptr() in {q.data_ptr() for q in replicas[0].parameters()}
+    assert revived(model, masks) == 0
+    soup = soup_of_states(model, [trained_state(r) for r in replicas], [0.5, 0.5], lora_args(kind, rank, ["0", "2"]))
+    assert revived(soup, masks) == 0 and soup.state_dict().keys() == model.state_dict().keys()
+    for replica in replicas:
+        merged = merged_copy(replica)
+        assert revived(merged, masks) == 0
+        with torch.no_grad():  # the merge computes what training saw
+            x = torch.randn(5, in_f).to(dtype)
+            want = replica(x).float()
+            # bf16: the merged weights are rounded to bf16, the replica adds its fp32 update to the output
+            tol = 1e-5 if dtype == torch.float32 else 0.05 * (1 + float(want.abs().max()))
+            torch.testing.assert_close(merged(x).float(), want, atol=tol, rtol=1e-5 if dtype == torch.float32 else 0.05)
+        peft_merged = copy.deepcopy(replica)
+        for layer in (m for m in peft_merged.modules() if hasattr(m, "lora_A")):
+            layer.merge()  # peft's own merge goes through the variant
+            assert (
+                int((layer.get_base_layer().weight[~masks[f"{layer_name(peft_merged, layer)}.weight"]] != 0).sum()) == 0
+            )
+
+
+def layer_name(model, layer) -> str:
+    return next(n for n, m in model.named_modules() if m is layer)
+
+
+# -- merge_adapters: any LoRA ----------------------------------------------------------------------------------------
+def test_merge_adapters_keeps_the_zeros_a_plain_lora_merge_fills():
+    model, masks = tiny_llama()
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    train_steps(peft_model)
+    dense = copy.deepcopy(peft_model).merge_and_unload()  # peft's merge: the pruned weights fill up
+    assert revived(dense, masks) > 0.9 * sum(int((~m).sum()) for k, m in masks.items() if ".layers." in k)
+    merged, report = merge_adapters(peft_model, return_report=True)
+    assert revived(merged, masks) == 0 and type(merged) is LlamaForCausalLM
+    assert not any(hasattr(m, "lora_A") for m in merged.modules())
+    assert report["layers"] == 14 and report["dropped_entries"] > 0 and 0.3 < report["dropped_fraction"] < 0.7
+    mask_lora = make_replica(model, lora_args("mask_lora"))
+    train_steps(mask_lora)
+    _, report = merge_adapters(mask_lora, return_report=True)
+    assert report["dropped_entries"] == 0 and report["dropped_fraction"] == 0.0
+
+
+def test_merge_adapters_refuses_other_adapters():
+    from peft import IA3Config
+
+    model, _ = tiny_llama()
+    ia3 = get_peft_model(model, IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    with pytest.raises(ValueError, match="ia3.Linear"):
+        merge_adapters(ia3)
+
+
+# -- the trainer on a PeftModel --------------------------------------------------------------------------------------
+def test_the_trainer_trains_a_peft_causal_lm_and_saves_both_forms(tmp_path):
+    model, masks = tiny_llama()
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    rows = [{"input_ids": torch.randint(1, 64, (12,)), "labels": torch.randint(1, 64, (12,))} for _ in range(16)]
+    args = SparseSoupConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=0.01,
+        report_to="none",
+        use_cpu=True,
+        retrain_schedule="llr",
+        disable_tqdm=True,
+    )
+    trainer = SparseSoupTrainer(peft_model, args, train_dataset=rows)  # the LM's own loss: no classification loss
+    assert trainer.compute_loss_func is None
+    trainer.train()
+    trainer.save_model()
+    out = tmp_path / "out"
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+    loaded = load_sparse(str(out))
+    assert revived(loaded, masks) == 0
+    assert any(hasattr(m, "lora_A") for m in peft_model.modules())  # the trainer's model is left as it was
+
+
+def test_replica_params_in_the_trainer_train_a_subset_and_save_an_adapter_that_loads(tmp_path):
+    model, masks = tiny_llama()
+    rows = [{"input_ids": torch.randint(1, 64, (12,)), "labels": torch.randint(1, 64, (12,))} for _ in range(16)]
+    args = SparseSoupConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=0.05,
+        report_to="none",
+        use_cpu=True,
+        retrain_schedule="llr",
+        disable_tqdm=True,
+        replica_params="mask_lora",
+        lora_rank=4,
+        lora_alpha=8,
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = SparseSoupTrainer(model, args, masks=masks, train_dataset=rows)
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained)
+    trainer.train()
+    state = trainer.optimizer.state_dict()["state"]
+    assert sum(v["exp_avg"].numel() for v in state.values()) == sum(
+        p.numel() for p in trainer.model.parameters() if p.requires_grad
+    )  # frozen weights carry no optimizer state
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # the base never moved
+    trainer.save_model()
+    soup = load_sparse(str(tmp_path / "out"))
+    assert revived(soup, masks) == 0
+    reloaded = load_adapter(model, str(tmp_path / "out" / "adapter"))
+    ids = torch.randint(1, 64, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, soup(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_bias_norm_replicas_train_biases_and_norms_only():
+    model = DigitsResNet(width=4)
+    replica = make_replica(model, lora_args("bias_norm"))
+    trained = {n for n, p in replica.named_parameters() if p.requires_grad}
+    norms = {
+        f"{m}.{p}"
+        for m, mod in model.named_modules()
+        if isinstance(mod, nn.BatchNorm2d)
+        for p, _ in mod.named_parameters(recurse=False)
+    }
+    biases = {n for n, _ in model.named_parameters() if n.endswith(".bias")}
+    assert trained == norms | biases and "fc.weight" not in trained
+    frozen = {n: p for n, p in replica.named_parameters() if not p.requires_grad}
+    start = dict(model.named_parameters())
+    assert all(p.data_ptr() == start[n].data_ptr() for n, p in frozen.items())  # shared storage, no copy
+    assert all(p.requires_grad for p in model.parameters())  # the start's own flags are untouched
+
+
+def test_distances_from_trained_states_equal_those_of_the_merged_models():
+    model, _ = tiny_llama()
+    for kind in ("mask_lora", "bias_norm"):
+        args = lora_args(kind)
+        replicas = [make_replica(model, args) for _ in range(3)]
+        for s, r in enumerate(replicas):
+            train_steps(r, seed=s)
+        states = [trained_state(r) for r in replicas]
+        merged = [soup_of_states(model, [s], [1.0], args) for s in states]
+        expected = [
+            float(
+                sum(
+                    (p - q).detach().double().square().sum()
+                    for p, q in zip(merged[i].parameters(), merged[j].parameters())
+                )
+            )
+            ** 0.5
+            for i in range(3)
+            for j in range(i + 1, 3)
+        ]
+        assert replica_distances(model, states, args) == pytest.approx(expected, rel=1e-5)
+        assert min(expected) > 0
+
+
+def test_save_adapter_writes_peft_format(tmp_path):
+    model, _ = tiny_llama()
+    replica = make_replica(model, lora_args("scale_lora"))
+    train_steps(replica)
+    save_adapter(replica, str(tmp_path / "a"))
+    saved = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert saved and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in saved)
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["r"] == 4
+    back = load_adapter(model, str(tmp_path / "a"))
+    ids = torch.randint(1, 64, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, replica(input_ids=ids).logits)
+
+
+# -- the SMS loop ------------------------------------------------------------------------------------------------
+def _digits():
+    train, val, test = load_digits_splits(seed=0)
+    return TensorDictDataset(train.x[:192], train.labels[:192], train.augment), val, test
+
+
+@pytest.mark.parametrize("kind", ["mask_lora", "bias_norm"])
+def test_sms_with_subset_replicas_keeps_the_mask_and_resumes(tmp_path, kind):
+    train, val, test = _digits()
+    torch.manual_seed(0)
+    model = DigitsResNet(width=4)
+    args = SparseSoupConfig(
+        output_dir=str(tmp_path / "run"),
+        target_sparsity=0.8,
+        n_phases=2,
+        num_replicas=2,
+        max_steps=3,
+        per_device_train_batch_size=32,
+        learning_rate=0.05,
+        optim="sgd",
+        use_cpu=True,
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+        replica_params=kind,
+        lora_rank=2,
+        merge_methods=["greedy", "uniform"],
+        baselines=["imp"],
+        measure_speedup=False,
+    )
+    soup, results = run_sms(model, args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
+    # exactly the target's zeros: one revived weight would lower it, one extra zero raise it
+    n = sum(m.numel() for m in masks_from_model(soup).values())
+    for row in results["rows"]["sms_greedy"][-1:] + results["rows"]["sms_uniform"][-1:] + results["rows"]["imp"][-1:]:
+        assert row["sparsity"] == round(0.8 * n) / n
+    assert sorted(os.listdir(tmp_path / "run" / "sms" / "phase1" / "replica0")) == ["replica.safetensors"]
+    final = load_sparse(str(tmp_path / "run" / "final_soup"), model=DigitsResNet(width=4))
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), soup.state_dict().values()))
+    assert all(d["pairwise_l2"][0] > 0 for d in results["sms"])  # the replicas really differ
+    recipe = json.loads((tmp_path / "run" / "final_soup" / "sparsity.json").read_text())["recipe"]
+    assert recipe["replica_params"] == kind
+    again, _ = run_sms(model, args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)  # resumes
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), soup.state_dict().values()))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"pruning_method": "gmp", "pruning_steps": 2}, "pruning_method='imp'"),
+        ({"baselines": ["imp_reprune"]}, "imp_reprune"),
+        ({"lora_rank": 0}, "lora_rank"),
+        ({"replica_params": "adapters"}, "choose one of"),
+    ],
+)
+def test_subset_replicas_refuse_what_they_cannot_do(tmp_path, overrides, match):
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", replica_params="mask_lora", max_steps=2)
+    with pytest.raises(ValueError, match=match):
+        SparseSoupConfig(**{**base, **overrides})
+
+
+def test_a_model_without_linears_is_refused_for_lora(tmp_path):
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    with pytest.raises(ValueError, match="bias_norm"):
+        make_replica(conv, lora_args("mask_lora"))
