@@ -11,7 +11,8 @@
 #     `accelerate launch` on the GPU; (d) structured soups: the pruned model against hf_sms.shrink of it in bf16
 #     with the GPU busy (256 sequences x 128 tokens, 256 images: T5-small, ResNet-50, MaxViT, EfficientNet-B0), and
 #     under CUDA graphs (torch.compile mode="reduce-overhead") at batch 64; (e) FFN widths at and off multiples of
-#     8 in bf16 (SparseSoupConfig.unit_multiple).
+#     8 in bf16 (SparseSoupConfig.unit_multiple); (f) peak CUDA memory and time of one SMS phase (m = 3) with full
+#     replicas vs bias_norm / mask_lora / scale_lora on a LLaMA-shaped model of ~110M parameters (issue 35).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -75,5 +76,12 @@ if [[ $DRY == 1 ]]; then
   "$PY" benchmarks/unit_multiple.py --quick --batch 1
 else
   "$PY" benchmarks/unit_multiple.py --device cuda --dtype bfloat16 --batch 64
+fi
+
+echo "== (f) memory of one SMS phase by replica_params (m = 3), bf16 =="
+if [[ $DRY == 1 ]]; then
+  "$PY" benchmarks/replica_memory.py --rounds 1 --hidden 128 --layers 1 --steps 1 --seq 16
+else
+  "$PY" benchmarks/replica_memory.py --device cuda --rounds 1 --hidden 768 --layers 12 --steps 20 --seq 256
 fi
 echo "[$((SECONDS - start)) s] gpu_check done"

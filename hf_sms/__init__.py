@@ -9,6 +9,8 @@ import importlib
 from .lazy import lazy_exports, when_imported
 
 _EXPORTS = {
+    "merge_adapters": ".adapters.merge",
+    "load_adapter": ".adapters.replica",
     "SparseSoupSeq2SeqConfig": ".arguments",
     "sparse_config": ".arguments",
     "recalibrate_batchnorm": ".batchnorm",
@@ -37,6 +39,7 @@ _EXPORTS = {
     "BASELINES": ".registry",
     "CRITERIA": ".registry",
     "PRUNING_METHODS": ".registry",
+    "REPLICA_PARAMS": ".registry",
     "RETRAIN_SCHEDULES": ".registry",
     "SOUPS": ".registry",
     "STRUCTURES": ".registry",

@@ -14,9 +14,14 @@ import torch
 from torch import nn
 
 from ..pruning.prunable import Masks
-from .replica import plain_name
 
 logger = logging.getLogger("hf_sms")
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the model without adapters: peft's ``base_model.model.`` prefix and ``.base_layer``
+    dropped."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
 
 
 def _replace(root: nn.Module, name: str, module: nn.Module) -> None:

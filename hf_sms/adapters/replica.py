@@ -11,18 +11,28 @@ it has the start's zeros exactly.
 from __future__ import annotations
 
 import copy
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from peft import get_peft_model_state_dict, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from ..registry import REPLICA_PARAMS
+from ..checkpoint.folder import atomic_folder, checkpoint_file
+from ..pruning.prunable import prunable_tensors
+from ..registry import REPLICA_PARAMS, SOUPS
 from ..seeding import derive_seed
+from ..soup.averaging import average_tensors
+from .lora import MaskLoraLinear, gate_of, lora_config
+from .merge import merge_adapters, plain_name
 
 State = dict[str, torch.Tensor]
 LORA_MARK = ".lora_"  # every peft LoRA parameter's name holds it (lora_A, lora_B, lora_embedding_*)
-BASE_LAYER = ".base_layer"
 
 
 @dataclass(frozen=True)
@@ -58,8 +68,6 @@ def _bias_or_norm(name: str, param: nn.Parameter, module: nn.Module) -> bool:
 
 def check_subset(config) -> None:
     """What a run with subset replicas needs, checked before any work."""
-    from ..registry import SOUPS
-
     if config.pruning_method != "imp":
         raise ValueError(
             f"subset replicas follow the masks of IMP's phases; pruning_method={config.pruning_method!r} moves masks "
@@ -106,21 +114,11 @@ def kind_of(args) -> ReplicaParams:
 
 def has_adapters(model: nn.Module) -> bool:
     """``model`` holds peft LoRA layers (injected by hf-sms, or a user's ``PeftModel``)."""
-    from peft.tuners.lora import LoraLayer
-
     return any(isinstance(m, LoraLayer) for m in model.modules())
-
-
-def plain_name(name: str) -> str:
-    """A parameter's name in the model without adapters: peft's ``base_model.model.`` prefix and ``.base_layer``
-    dropped."""
-    return name.removeprefix("base_model.model.").replace(BASE_LAYER, "")
 
 
 def lora_targets(model: nn.Module) -> list[str]:
     """The default LoRA targets: every prunable ``nn.Linear`` (full module names)."""
-    from ..pruning.prunable import prunable_tensors
-
     modules = dict(model.named_modules())
     names = [t.name.rsplit(".", 1)[0] for t in prunable_tensors(model)]
     return [n for n in dict.fromkeys(names) if isinstance(modules.get(n), nn.Linear)]
@@ -153,10 +151,6 @@ def make_replica(start: nn.Module, args) -> nn.Module:
         for name, p in replica.named_parameters():
             p.requires_grad_(name not in frozen)
         return replica
-    from peft import inject_adapter_in_model
-
-    from .lora import lora_config
-
     targets = args.lora_target_modules or lora_targets(start)
     if not targets:
         raise ValueError(
@@ -191,8 +185,6 @@ def load_trained_state(replica: nn.Module, state: State) -> None:
 
 
 def _lora_layers(model: nn.Module):
-    from peft.tuners.lora import LoraLayer
-
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
@@ -200,8 +192,6 @@ def _lora_layers(model: nn.Module):
 def layer_update(layer, adapter: str = "default", weights: Sequence[float] = (1.0,), states=None, prefix=""):
     """The update of one LoRA layer as its merge writes it (dense, the base's shape), float32; with ``states`` (one
     trained state per replica) the weighted sum of theirs."""
-    from .lora import MaskLoraLinear
-
     base = layer.get_base_layer().weight
     if states is None:
         delta = layer.get_delta_weight(adapter)
@@ -211,8 +201,6 @@ def layer_update(layer, adapter: str = "default", weights: Sequence[float] = (1.
         a = state[f"{prefix}.lora_A.{adapter}.weight"].to(base.device, torch.float32)
         b = state[f"{prefix}.lora_B.{adapter}.weight"].to(base.device, torch.float32)
         product = w * (b @ a) if product is None else product.add_(b @ a, alpha=w)
-    from .lora import gate_of
-
     return product * gate_of(base, layer.variant.kind).float() * layer.scaling[adapter]
 
 
@@ -223,8 +211,6 @@ def soup_of_states(start: nn.Module, states: Sequence[State], weights: Sequence[
     kind, model = kind_of(args), copy.deepcopy(start)
     params = dict(model.named_parameters())
     if kind.adapters is None:  # the trained tensors themselves: their weighted mean (float64 sums, as every soup)
-        from ..soup.averaging import average_tensors
-
         for name in states[0]:
             params[name].copy_(average_tensors([s[name] for s in states], weights))
         return model
@@ -269,8 +255,6 @@ def adapter_masks(model: nn.Module, masks):
 
 def merged_copy(model: nn.Module) -> nn.Module:
     """A plain copy of an adapted model with its updates merged under its zeros (the model itself is untouched)."""
-    from .merge import merge_adapters
-
     merged = merge_adapters(copy.deepcopy(model))
     vars(merged).pop("hf_sms_replica", None)
     for p in merged.parameters():
@@ -281,11 +265,6 @@ def merged_copy(model: nn.Module) -> nn.Module:
 def save_adapter(model: nn.Module, folder: str) -> None:
     """The adapter of ``model`` in peft's format (``adapter_config.json``, ``adapter_model.safetensors``), written
     atomically; a MaskLoRA / ScaleLoRA adapter records its kind (load it with :func:`load_adapter`)."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    from ..checkpoint.folder import atomic_folder
-
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = model.peft_config["default"]
     kinds = {getattr(type(m), "variant", None) for m in inner.modules() if hasattr(m, "lora_A")}
@@ -300,13 +279,6 @@ def save_adapter(model: nn.Module, folder: str) -> None:
 def load_adapter(model: nn.Module, folder: str, args=None) -> nn.Module:
     """``model`` (the plain pruned model) with the adapter saved in ``folder`` injected: a MaskLoRA / ScaleLoRA
     adapter as hf-sms trains it (peft alone would rebuild a plain LoRA layer); the weights are shared, not copied."""
-    import json
-    import os
-
-    from safetensors import safe_open
-
-    from ..checkpoint.folder import checkpoint_file
-
     path = checkpoint_file(folder, "adapter_model.safetensors")
     config_path = checkpoint_file(folder, "adapter_config.json")
     if path is None or config_path is None:

@@ -20,10 +20,11 @@ import os
 import time
 
 from ..adapters.replica import kind_of, make_replica, replica_distances, trained_state
+from ..adapters.soup import subset_soup
 from ..checkpoint.constants import REPLICA_STATE, SPARSITY_NAME
 from ..phase import PhaseResult, PhaseSpec, TrackJob
 from ..pruning.masks import PruningStep
-from ..soup.soup import soup, subset_soup
+from ..soup.soup import soup
 from .schedule import job_steps, place
 
 logger = logging.getLogger("hf_sms")

@@ -152,39 +152,6 @@ def soup(
     return build(weights), weights
 
 
-def subset_soup(
-    start: nn.Module,
-    states: Sequence[StateDict],
-    method: str | SoupMethod,
-    args,
-    scores: Sequence[float | None],
-    evaluate: Callable[[nn.Module], float] | None = None,
-    recalibrate: Callable[[nn.Module], nn.Module] | None = None,
-) -> tuple[nn.Module, list[float]]:
-    """The soup of replicas that trained a subset of ``start`` (``args.replica_params``), from their trained states
-    (:func:`hf_sms.adapters.replica.trained_state`, every replica's on every process): ``start`` plus the weighted
-    sum of their updates, one layer at a time (never m models), with ``start``'s zeros exactly. ``method`` must be a
-    weighted mean (``combine is None``, one mask): uniform, greedy."""
-    from ..adapters.replica import soup_of_states
-
-    spec = SOUPS.get(method) if isinstance(method, str) else method
-    if spec.combine is not None or not spec.same_mask:
-        raise ValueError("a soup of subset replicas is a weighted mean under one mask: use uniform or greedy")
-
-    def build(weights: list[float]) -> nn.Module:
-        used = [i for i, w in enumerate(weights) if w]
-        model = soup_of_states(start, [states[i] for i in used], [weights[i] for i in used], args)
-        return recalibrate(model) if recalibrate is not None else model
-
-    def trial(weights: list[float]) -> float:
-        if evaluate is None:
-            raise ValueError("this soup method evaluates trial soups: pass evaluate=<validation metric>")
-        return float(evaluate(build(weights)))
-
-    weights = spec.select(list(scores), trial, args)
-    return build(weights), weights
-
-
 def uniform_soup(models: Sequence[nn.Module], reprune_sparsity: float | None = None, allocation: str = "global"):
     """UniformSoup: the elementwise mean of ``models`` (lambda_i = 1/m).
 
