@@ -152,7 +152,8 @@ def allr_start_lr(norm_fraction: float, phase_fraction: float, lr_max: float, le
 def make_lr_scheduler(optimizer: torch.optim.Optimizer, name: str, ctx: ScheduleContext):
     """A ``LambdaLR`` following schedule ``name``; the optimizer's initial lr is the unit it scales."""
     fn = RETRAIN_SCHEDULES.get(name)
-    base = optimizer.param_groups[0]["lr"]
+    group = optimizer.param_groups[0]
+    base = group.get("initial_lr", group["lr"])  # a second train() finds the last schedule's end rate in "lr"
     if base <= 0:
         raise ValueError("the optimizer's learning rate must be > 0 to scale a retraining schedule")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, ctx) / base)

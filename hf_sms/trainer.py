@@ -37,7 +37,7 @@ from .checkpoint.sparse import family_of_model
 from .checkpoint.trainer_card import merge_trainer_card
 from .checkpoint.trainer_masks import load_pruning_step, save_masks
 from .config import LR_SCHEDULES
-from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy
+from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy, unwrap_optimizer
 from .pruning.masks import PruningStep, apply_masks, masks_from_model
 from .pruning.prunable import Masks
 from .schedules import PRETRAIN_SHAPES, ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
@@ -62,12 +62,17 @@ class _MaskCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         self.trainer.masking.start(optimizer)  # also cleans optimizer state restored on resume
+        if optimizer is not None:  # masks kept even where a subclass's training_step skips the mixin's
+            self.hook = unwrap_optimizer(optimizer).register_step_pre_hook(self.trainer._before_optimizer_step)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         self.trainer.masking.after_step(optimizer)
 
     def on_train_end(self, args, state, control, optimizer=None, **kwargs):
         self.trainer.masking.end(optimizer)
+        if getattr(self, "hook", None) is not None:
+            self.hook.remove()
+            self.hook = None
 
 
 def _read(path: str) -> str:
@@ -116,6 +121,17 @@ class SparseSoupMixin:
     """
 
     arguments_class = TrainingArguments  # what args=None builds (with the hf-sms fields)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if Trainer in mro and mro.index(Trainer) < mro.index(SparseSoupMixin):
+            base = next(b for b in cls.__bases__ if issubclass(b, Trainer))
+            raise TypeError(
+                f"class {cls.__name__}: SparseSoupMixin must come before {base.__name__} in the bases, else "
+                f"{base.__name__}'s methods run instead of the mixin's and the model trains dense; write "
+                f"class {cls.__name__}(SparseSoupMixin, {base.__name__})"
+            )
 
     def __init__(
         self,
@@ -204,7 +220,17 @@ class SparseSoupMixin:
             if self.process_group is not None:
                 self._average_gradients_in_group()
             self.masking.before_step()
+            self._masked_step = True
         return loss
+
+    _masked_step = False
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """The optimizer's pre-step hook: mask the gradients if this step's ``training_step`` did not (a subclass
+        that overrides it without ``super()``); free where it did."""
+        if not self._masked_step:
+            self.masking.before_step()
+        self._masked_step = False
 
     def evaluate(self, *args, **kwargs):
         with self.masking.forward_context():  # DPF is judged by the sparse model it returns
@@ -330,6 +356,8 @@ class SparseSoupMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:  # as Trainer says it: never a silent fresh start
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         if isinstance(resume_from_checkpoint, str):
             saved = load_pruning_step(resume_from_checkpoint, fallback=self.pruning_step)
             if saved is None:

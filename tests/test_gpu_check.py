@@ -36,7 +36,16 @@ def test_gpu_check_dry_run():
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
-    for step in ("== (a)", "== (b)", "== (c)", "== (d)", "== (e)", "== (f)", "masks exact after every run", "gpu_check done"):
+    for step in (
+        "== (a)",
+        "== (b)",
+        "== (c)",
+        "== (d)",
+        "== (e)",
+        "== (f)",
+        "masks exact after every run",
+        "gpu_check done",
+    ):
         assert step in out
     assert "| 512x512 | 32 | 90% csr |" in out and "| 90% uniform, auto |" in out
     assert "final soup speedup:" in out  # the smoke run's table with its measured speedup

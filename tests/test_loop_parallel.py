@@ -56,6 +56,8 @@ def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
     out = tmp_path / "run"
     _run(_cmd(2, "sms_digits.py", out, "--baselines", "imp", "imp_reprune"))
     assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
+    for rank in (0, 1):  # code after run_sms sees the launcher's variables again (they were deleted for good)
+        assert (out / f"env-rank{rank}.txt").read_text() == f"RANK={rank} WORLD_SIZE=2 LOCAL_RANK={rank}"
     par, seq = (json.loads((d / "results.json").read_text()) for d in (out, sequential))
     assert untimed(par["rows"]) == untimed(seq["rows"]) and par["dense"] == seq["dense"]
     assert set(par["rows"]["sms_greedy"][-1]["tests"]) == {"test", "ood", "groups"}  # named test sets in parallel

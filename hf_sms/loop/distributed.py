@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..pruning.prunable import Masks
 from ..soup.averaging import Accumulator
+from .launcher import hide_launcher_env, launcher_env_hidden
 
 StateDict = dict[str, torch.Tensor]
 
@@ -54,11 +55,6 @@ def _buckets(template: StateDict, keys) -> list[tuple]:
         current.append(k)
         size += n
     return out + ([tuple(current)] if current else [])
-
-
-# What launchers set; hidden from accelerate once replica groups exist, so that each replica's Trainer
-# runs as a single process (or data-parallel inside its own group) instead of over all N processes.
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
 
 
 def launched_world_size() -> int:
@@ -102,6 +98,7 @@ class ReplicaWorld:
         self.device = torch.device("cpu")
         self.assignment: list[int] | None = None  # the group of each replica of the phase being run (assigned())
         self._waiting, self._joined = None, {}
+        self._use_cuda, self._local_rank = False, 0
         if self.size == 1:
             self.n_groups, self.group_index = 1, 0
             return
@@ -128,22 +125,12 @@ class ReplicaWorld:
         # A group that finished its jobs waits here for the others, which may train for hours: a barrier on a gloo
         # group with no practical timeout (the backend's own, 10-30 min, would end the run).
         self._waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-        self._hide_launcher_env(use_cuda, local_rank)
+        self._use_cuda, self._local_rank = use_cuda, local_rank
+        hide_launcher_env(use_cuda, local_rank)
 
-    @staticmethod
-    def _hide_launcher_env(use_cuda: bool, local_rank: int) -> None:
-        from accelerate.state import AcceleratorState, GradientState
-
-        # transformers warns that the process group is not used for DDP: here that is the point.
-        logging.getLogger("transformers.training_args").addFilter(
-            lambda record: "parallel_mode != ParallelMode.DISTRIBUTED" not in record.getMessage()
-        )
-        for key in _LAUNCHER_ENV:
-            os.environ.pop(key, None)
-        if use_cuda:
-            os.environ["ACCELERATE_TORCH_DEVICE"] = f"cuda:{local_rank}"
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    def launcher_env_hidden(self):
+        """The launcher's variables hidden inside, put back when the outermost run leaves (:mod:`.launcher`)."""
+        return launcher_env_hidden(self._use_cuda, self._local_rank)
 
     # -- who does what -----------------------------------------------------------------------------
     @property

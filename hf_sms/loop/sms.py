@@ -33,6 +33,7 @@ from ..trainer import SparseSoupMixin, SparseSoupTrainer
 from .checks import check_inputs, check_model, check_world
 from .distributed import ReplicaWorld
 from .final_soup import save_final_soup
+from .launcher import restore_launcher_env
 from .recorder import Recorder
 from .replica_training import fit, train_subset
 from .rounds import drive, run_round
@@ -156,6 +157,10 @@ class SparseModelSoup:
     def run(self) -> nn.Module:
         """Run SMS (one trajectory per soup method) or a pruning-during-training method, then the baselines;
         returns the final soup of the first method. Results are in ``self.results``."""
+        with self.world.launcher_env_hidden():
+            return self._run()
+
+    def _run(self) -> nn.Module:
         a = self.args
         # a method checks what needs the data (its schedule's steps) before run.json ("imp" has no entry: no-op)
         PRUNING_METHODS.meta(a.pruning_method).get("preflight", lambda ctx: None)(self)
@@ -385,7 +390,11 @@ class SparseModelSoup:
 
 
 def run_sms(model: nn.Module, args: SparseSoupConfig, train_dataset, metric_fn: MetricFn, **kwargs):
-    """Functional entry point: ``(final_soup, results)``; see :class:`SparseModelSoup` for the arguments."""
-    runner = SparseModelSoup(model, args, train_dataset, metric_fn, **kwargs)
-    soup = runner.run()
+    """Functional entry point: ``(final_soup, results)``; see :class:`SparseModelSoup` for the arguments. Under a
+    launcher, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` are as it set them again when this returns or raises."""
+    try:
+        runner = SparseModelSoup(model, args, train_dataset, metric_fn, **kwargs)
+        soup = runner.run()
+    finally:
+        restore_launcher_env()
     return soup, runner.results

@@ -72,7 +72,10 @@ tests = {  # named test sets reach every row in the parallel path too
 # hides the launcher's variables once its replica groups exist)
 exit_file = os.path.join(cli.output_dir, f"exit-rank{os.environ.get('RANK', 0)}.txt")
 atexit.register(lambda: open(exit_file, "w").write("open" if torch.distributed.is_initialized() else "closed"))
+rank = os.environ.get("RANK", "0")
 soup, results = run_sms(model, args, train, accuracy, eval_dataset=val, test_dataset=tests)
+with open(os.path.join(cli.output_dir, f"env-rank{rank}.txt"), "w") as f:  # the launcher's variables, back
+    f.write(" ".join(f"{k}={os.environ.get(k)}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")))
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
     save_file(
         {k: v.contiguous() for k, v in soup.state_dict().items()}, os.path.join(cli.output_dir, "soup.safetensors")

@@ -1,0 +1,57 @@
+"""Trust, fourth round (issue 36): the mixin and the run do what they say even where a user's code goes its own way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_cnn, make_image_dataset, training_args
+from transformers import Trainer
+
+from hf_sms import SparseSoupConfig, SparseSoupMixin, SparseSoupTrainer, compute_masks
+
+
+def test_the_mixin_after_the_trainer_in_the_bases_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match=r"write class Backwards\(SparseSoupMixin, Trainer\)"):
+
+        class Backwards(Trainer, SparseSoupMixin):
+            pass
+
+    class Right(SparseSoupMixin, Trainer):  # the documented order stays fine
+        pass
+
+
+class OwnStep(SparseSoupTrainer):
+    """A subclass whose training_step never calls super(): the mixin's gradient masking is skipped."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = self.compute_loss(model, inputs)
+        loss.backward()
+        return loss.detach()
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
+def test_masks_hold_when_a_subclass_skips_the_mixins_training_step(tmp_path, optim):
+    model = make_cnn()
+    masks = compute_masks(model, 0.7)
+    args = training_args(str(tmp_path), SparseSoupConfig, max_steps=6, optim=optim, learning_rate=0.1)
+    if optim == "sgd":
+        args.optim_args = "momentum=0.9"
+    trainer = OwnStep(model, args, masks=masks, train_dataset=make_image_dataset())
+    trainer.train()
+    params = dict(model.named_parameters())
+    revived = sum(int((params[n].detach()[~m] != 0).sum()) for n, m in masks.items())
+    assert revived == 0
+    assert any(bool((params[n].detach()[m] != 0).any()) for n, m in masks.items())  # it did train
+
+
+def test_resume_true_without_a_checkpoint_raises_and_a_second_train_works(tmp_path):
+    args = training_args(str(tmp_path), SparseSoupConfig, max_steps=3)
+    trainer = SparseSoupTrainer(make_cnn(), args, train_dataset=make_image_dataset())
+    with pytest.raises(ValueError, match="No valid checkpoint found"):
+        trainer.train(resume_from_checkpoint=True)
+    first = trainer.train()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    second = trainer.train()  # the schedule starts again from its own rate, not the last one's end (0)
+    assert second.global_step == first.global_step == 3
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
