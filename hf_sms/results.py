@@ -226,14 +226,62 @@ def plot_timeline(run: dict, path: str) -> None:
 
 
 # -- hf-sms table, hf-sms timeline (their arguments: hf_sms.cli) --------------------------------------------------
+MAX_PROCESSES = 1 << 16
+
+
 def _read(command: str, path: str) -> dict | None:
+    """The run's results.json (``path``, or a run folder holding one), checked for what ``command`` reads; None
+    after an error message."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "results.json")
     try:
         with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+            run = json.load(f)
+        _check_results(run, command)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         print(f"hf-sms {command}: error: {path} is not a readable results.json ({e}); was its run killed while "
               "writing? Leave it out or rerun that run", file=sys.stderr)  # fmt: skip
         return None
+    except ValueError as e:
+        print(f"hf-sms {command}: error: {path} is not the results.json of an hf-sms run: {e}", file=sys.stderr)
+        return None
+    return run
+
+
+def _check_results(run, command: str) -> None:
+    """What ``hf-sms table`` / ``timeline`` read, checked before they read it (a hand-edited or foreign JSON:
+    transformers' all_results.json, a list)."""
+    if not isinstance(run, dict):
+        raise ValueError(f"it holds a JSON {type(run).__name__}, not an object")
+    if command == "table":
+        rows, phases = run.get("rows"), run.get("phases")
+        if not isinstance(rows, dict) or not rows or not isinstance(phases, list):
+            raise ValueError("it has no 'rows' and 'phases' (transformers' all_results.json has neither)")
+        if not all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in phases):
+            raise ValueError("'phases' must be a list of sparsities")
+        if not all(isinstance(r, list) and r and all(isinstance(x, dict) for x in r) for r in rows.values()):
+            raise ValueError("every entry of 'rows' must be a list of rows (objects), one per phase")
+        return
+    world = run.get("world")
+    if not isinstance(world, dict):
+        return  # timeline() says the run recorded no schedule
+    n, jobs = world.get("processes", 1), world.get("jobs", [])
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PROCESSES:
+        raise ValueError(f"world.processes must be a count of processes from 1 to {MAX_PROCESSES}, got {n!r}")
+    keys = {"rank": int, "start": (int, float), "end": (int, float), "kind": str, "group": (int, type(None))}
+    if not isinstance(jobs, list) or not all(
+        isinstance(j, dict)
+        and all(isinstance(j.get(k), t) for k, t in keys.items())
+        and 0 <= j["rank"] < n
+        and (j["kind"] != "train" or isinstance(j.get("job"), str))
+        for j in jobs
+    ):
+        raise ValueError(
+            f"world.jobs must be records with rank (below processes={n}), group, start, end, kind (and a train "
+            "job's name)"
+        )
+    if not isinstance(world.get("seconds", 0), (int, float)):
+        raise ValueError("world.seconds must be a number")
 
 
 def table(args) -> int:

@@ -55,3 +55,52 @@ def test_resume_true_without_a_checkpoint_raises_and_a_second_train_works(tmp_pa
     second = trainer.train()  # the schedule starts again from its own rate, not the last one's end (0)
     assert second.global_step == first.global_step == 3
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+# -- hf-sms table / timeline on JSON that is not a results.json (item 11) ---------------------------------------
+RUN = {
+    "phases": [0.5],
+    "rows": {"sms_uniform": [{"sparsity": 0.5, "test": 90.0}]},
+    "world": {
+        "processes": 1,
+        "groups": 1,
+        "seconds": 2.0,
+        "jobs": [{"job": "sms/phase1/replica0", "rank": 0, "group": 0, "kind": "train", "start": 0.0, "end": 1.5}],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ({"train_loss": 0.3, "epoch": 3.0}, "no 'rows' and 'phases'"),  # transformers' all_results.json
+        ([1, 2], "JSON list"),
+        ({**RUN, "rows": {"sms_uniform": "x"}}, "list of rows"),
+        ({**RUN, "world": {**RUN["world"], "processes": 10**9}}, "count of processes"),
+        ({**RUN, "world": {**RUN["world"], "jobs": [{"rank": 5}]}}, "records with rank"),
+    ],
+)
+def test_table_and_timeline_refuse_what_is_not_a_results_json(tmp_path, capsys, content, match):
+    import json
+
+    from hf_sms.cli import main
+
+    (tmp_path / "results.json").write_text(json.dumps(content))
+    command = "table" if "rows" in match or "JSON list" in match else "timeline"
+    for target in (tmp_path / "results.json", tmp_path) if command == "table" else (tmp_path,):
+        assert main([command, str(target)]) == 2  # an error message, no traceback, no hang
+        err = capsys.readouterr().err
+        assert f"hf-sms {command}: error:" in err and match in err
+
+
+def test_table_reads_a_run_folder_as_timeline_does(tmp_path, capsys):
+    import argparse
+    import json
+
+    from hf_sms.results import table, timeline_command
+
+    (tmp_path / "results.json").write_text(json.dumps(RUN))
+    assert table(argparse.Namespace(results=[str(tmp_path)], split=None)) == 0
+    assert timeline_command(argparse.Namespace(run_dir=str(tmp_path))) == 0
+    out = capsys.readouterr().out
+    assert "90.00" in out and "1 process(es)" in out
