@@ -104,3 +104,56 @@ def test_table_reads_a_run_folder_as_timeline_does(tmp_path, capsys):
     assert timeline_command(argparse.Namespace(run_dir=str(tmp_path))) == 0
     out = capsys.readouterr().out
     assert "90.00" in out and "1 process(es)" in out
+
+
+# -- the trainer's mask file (item 12) ------------------------------------------------------------------------------
+def _checkpointed(tmp_path):
+    args = training_args(str(tmp_path / "o"), SparseSoupConfig, max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = SparseSoupTrainer(make_cnn(), args, train_dataset=make_image_dataset())
+    trainer.train()
+    return args, tmp_path / "o" / "checkpoint-2"
+
+
+def test_a_changed_byte_or_a_nan_in_the_trainers_mask_file_is_refused_on_resume(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hf_sms.checkpoint.constants import MASKS_NAME
+
+    args, ckpt = _checkpointed(tmp_path)
+    path = ckpt / MASKS_NAME
+    good = path.read_bytes()
+    data = bytearray(good)
+    data[-1] ^= 1  # a kept weight's True becomes False (or the reverse)
+    path.write_bytes(bytes(data))
+    fresh = SparseSoupTrainer(make_cnn(), args, train_dataset=make_image_dataset())
+    with pytest.raises(ValueError, match="differ from their checksums"):
+        fresh.train(resume_from_checkpoint=str(ckpt))
+    path.write_bytes(good)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    save_file(load_file(str(path)), str(path), metadata={**meta, "norm_fraction": "nan"})
+    with pytest.raises(ValueError, match="norm_fraction='nan' is not a fraction"):
+        fresh.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_the_trainers_mask_file_is_neither_counted_as_weights_nor_uploaded(tmp_path):
+    import re
+
+    from conftest import fake_hub
+
+    from hf_sms import push_to_hub
+    from hf_sms.checkpoint.constants import MASKS_NAME, WEIGHTS_NAME
+
+    args = training_args(str(tmp_path / "o"), SparseSoupConfig, max_steps=2)
+    trainer = SparseSoupTrainer(make_cnn(), args, train_dataset=make_image_dataset())
+    trainer.train()
+    trainer.save_model()
+    out = tmp_path / "o"
+    assert (out / MASKS_NAME).is_file()
+    card = (out / "README.md").read_text()
+    mb = float(re.search(r"weights ([0-9.]+) MB on disk", card).group(1))
+    assert mb == round((out / WEIGHTS_NAME).stat().st_size / 1e6, 2)
+    with fake_hub() as sent:
+        push_to_hub(str(out), "me/r")
+    assert MASKS_NAME not in sent["files"] and WEIGHTS_NAME in sent["files"]

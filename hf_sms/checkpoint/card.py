@@ -17,7 +17,7 @@ import yaml
 from ..runtime.speed import format_measured
 from .constants import CARD_NAME, SPARSITY_NAME
 from .families import FAMILIES, Family
-from .folder import read_sparsity
+from .folder import read_sparsity, weight_files
 
 
 def _read_info(directory: str) -> dict:
@@ -333,9 +333,7 @@ def model_card(
     if index := model_index(repo, rows, (datasets or [None])[0], task):
         meta["model-index"] = index
 
-    weights = sum(
-        os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".safetensors")
-    )
+    weights = sum(os.path.getsize(f) for f in weight_files(directory))  # the weights alone, no trainer mask file
     sparsity, numel, nnz = (_number(info, key, directory) for key in ("sparsity", "numel", "nnz"))
     # The speedup is stated here only: a second mention could only disagree with this one.
     speed = f"**{_cell(speedup)}x** over the dense model" if speedup is not None else "not measured"

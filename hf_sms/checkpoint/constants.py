@@ -29,7 +29,7 @@ STALE_FILES = re.compile(r"^(" + "|".join(map(re.escape, _WEIGHT_FILES)) + r"|mo
 # files, sparsity.json, the card. Everything else stays: training_args.bin (a pickle holding the Hub token),
 # optimizer/scheduler/RNG state, trainer logs.
 _PUBLISHED = (
-    r"[^/]+\.safetensors",
+    r"(?!sparse_masks\.|replica\.)[^/]+\.safetensors",  # a trainer's mask file, a replica's state: not the model's
     r"model\.safetensors\.index\.json",
     r"(generation_)?config\.json",
     r"(pre)?processor_config\.json|image_processor(_config)?\.json|video_preprocessor_config\.json",
