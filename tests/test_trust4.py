@@ -157,3 +157,33 @@ def test_the_trainers_mask_file_is_neither_counted_as_weights_nor_uploaded(tmp_p
     with fake_hub() as sent:
         push_to_hub(str(out), "me/r")
     assert MASKS_NAME not in sent["files"] and WEIGHTS_NAME in sent["files"]
+
+
+# -- what a run says (item 18) ---------------------------------------------------------------------------------
+RUN_SCRIPT = """
+import torch
+from hf_sms import SparseSoupConfig, run_sms
+from hf_sms.data import TensorDictDataset, load_digits_splits
+from hf_sms.demo import DigitsResNet
+from hf_sms.evaluation import ClassificationAccuracy
+train, val, _ = load_digits_splits(seed=0)
+torch.manual_seed(0)
+args = SparseSoupConfig(output_dir=OUT, target_sparsity=0.5, n_phases=1, num_replicas=1, max_steps=1,
+                        per_device_train_batch_size=32, use_cpu=True, disable_tqdm=True, report_to="none",
+                        measure_speedup=False)
+run_sms(DigitsResNet(width=4), args, TensorDictDataset(train.x[:64], train.labels[:64]), ClassificationAccuracy(),
+        eval_dataset=val)
+"""
+
+
+@pytest.mark.parametrize(("verbosity", "shown"), [(None, True), pytest.param("warning", False, marks=pytest.mark.slow)])
+def test_a_run_shows_its_phase_lines_without_any_logging_setup(tmp_path, verbosity, shown):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"HF_SMS_VERBOSITY": verbosity} if verbosity else {})}
+    code = RUN_SCRIPT.replace("OUT", repr(str(tmp_path / "run")))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("[hf-sms] phase 1 sms_uniform" in proc.stderr) == shown, proc.stderr[-3000:]

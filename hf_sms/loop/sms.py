@@ -24,6 +24,7 @@ from ..evaluation.metrics import MetricFn, as_metric
 from ..evaluation.named import named_tests
 from ..evaluation.sharded import recalibrate_shared
 from ..hub import push_to_hub
+from ..logs import show_logs_by_default
 from ..methods.common import empty_step
 from ..phase import PhaseResult, PhaseSpec, phase_folder
 from ..pruning.masks import PruningStep, phase_sparsities
@@ -85,6 +86,7 @@ class SparseModelSoup:
         model_card: dict | None = None,
         trainer_class: type | None = None,
     ):
+        show_logs_by_default()  # phase lines and warnings, as the Trainer shows its progress
         if eval_dataset is None:
             train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction)  # fixed seed
         metric_fn = as_metric(metric_fn)  # an evaluate module works as a metric too
@@ -284,11 +286,8 @@ class SparseModelSoup:
     ) -> nn.Module:
         """Retrain a copy of ``start`` under ``step.masks`` into the checkpoint folder ``name`` (one that
         ``load_sparse`` and ``hf-sms merge`` read); a finished replica is loaded, not retrained.
-        ``callbacks`` and ``trainer_kwargs`` go to its :class:`SparseSoupTrainer` (e.g. GMP's pruning).
-
-        With ``args.replica_params`` other than ``"all"`` the replica trains that subset and shares the rest with
-        ``start`` (:mod:`hf_sms.adapters`); it is returned as such with ``keep_adapters`` (a soup is made from the
-        updates), else merged into a plain model."""
+        ``callbacks`` and ``trainer_kwargs`` go to its :class:`SparseSoupTrainer` (e.g. GMP's pruning). A subset
+        replica (``args.replica_params``): :func:`~hf_sms.loop.replica_training.train_subset`."""
         folder = self.run_dir.path(name)
         if not kind_of(args).full:
             return train_subset(self, start, step, args, name, keep_adapters, callbacks, **trainer_kwargs)
