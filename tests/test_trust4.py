@@ -187,3 +187,17 @@ def test_a_run_shows_its_phase_lines_without_any_logging_setup(tmp_path, verbosi
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("[hf-sms] phase 1 sms_uniform" in proc.stderr) == shown, proc.stderr[-3000:]
+
+
+# -- a measured speedup that is noise (item 20) -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spread", "noise"), [((0.61, 1.12), True), ((0.9, 1.4), True), ((1.41, 1.55), False), ((0.7, 0.75), False)]
+)
+def test_a_speedup_whose_rounds_disagree_is_not_stated_as_a_result(spread, noise):
+    from hf_sms.runtime.speed import format_measured, is_noise
+
+    record = {"speedup": 0.73, "speedup_range": list(spread), "repeats": 7, "dense_ms": 1.0, "runtime_ms": 1.37,
+              "device": "cpu", "threads": 2, "input": "x 1x8", "sparse_layers": 3}  # fmt: skip
+    line = format_measured(record)
+    assert is_noise(record) == noise
+    assert line.startswith("no reliable speedup") == noise and ("0.73x (" in line) == (not noise)

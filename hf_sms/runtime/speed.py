@@ -125,8 +125,26 @@ def format_measured(record: dict | None) -> str:
         else f"{record['sparse_layers']} layers sparse"
     )
     spread = record.get("speedup_range")
+    where = f"{record['device']}, {record['threads']} thread(s), input {record['input']}; {what}"
+    if is_noise(record):  # the rounds disagree on which is faster, or by too much: no result to state
+        return (
+            f"no reliable speedup: the {record['repeats']} interleaved rounds range from {spread[0]:.2f}x to "
+            f"{spread[1]:.2f}x (median {record['speedup']:.2f}x; {record['dense_ms']:.2f} ms dense vs "
+            f"{record['runtime_ms']:.2f} ms); measure on a quieter machine or with more repeats ({where})"
+        )
     spread = f", {spread[0]:.2f}-{spread[1]:.2f}x over {record['repeats']} interleaved rounds" if spread else ""
-    return (
-        f"{record['speedup']:.2f}x ({record['dense_ms']:.2f} ms dense vs {record['runtime_ms']:.2f} ms{spread}; "
-        f"{record['device']}, {record['threads']} thread(s), input {record['input']}; {what})"
-    )
+    times = f"{record['dense_ms']:.2f} ms dense vs {record['runtime_ms']:.2f} ms"
+    return f"{record['speedup']:.2f}x ({times}{spread}; {where})"
+
+
+NOISE_RATIO = 1.3  # rounds further apart than this (highest / lowest speedup) measure the machine, not the model
+
+
+def is_noise(record: dict | None) -> bool:
+    """A measured speedup whose rounds straddle 1.0 (faster in some, slower in others) or spread wider than
+    :data:`NOISE_RATIO`: not a result."""
+    spread = (record or {}).get("speedup_range")
+    if not spread or record.get("speedup") is None:
+        return False
+    lo, hi = spread
+    return lo < 1.0 < hi or (lo > 0 and hi / lo > NOISE_RATIO)
