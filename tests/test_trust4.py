@@ -196,8 +196,31 @@ def test_a_run_shows_its_phase_lines_without_any_logging_setup(tmp_path, verbosi
 def test_a_speedup_whose_rounds_disagree_is_not_stated_as_a_result(spread, noise):
     from hf_sms.runtime.speed import format_measured, is_noise
 
-    record = {"speedup": 0.73, "speedup_range": list(spread), "repeats": 7, "dense_ms": 1.0, "runtime_ms": 1.37,
-              "device": "cpu", "threads": 2, "input": "x 1x8", "sparse_layers": 3}  # fmt: skip
+    record = {
+        "speedup": 0.73,
+        "speedup_range": list(spread),
+        "repeats": 7,
+        "dense_ms": 1.0,
+        "runtime_ms": 1.37,
+        "device": "cpu",
+        "threads": 2,
+        "input": "x 1x8",
+        "sparse_layers": 3,
+    }
     line = format_measured(record)
     assert is_noise(record) == noise
     assert line.startswith("no reliable speedup") == noise and ("0.73x (" in line) == (not noise)
+
+
+# -- unit_multiple that keeps everything (item 4) --------------------------------------------------------------------
+def test_a_unit_multiple_that_keeps_every_unit_is_refused_before_work():
+    from torch import nn
+
+    from hf_sms import resolve_pruning
+
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    batch = torch.randn(4, 8)
+    plan = resolve_pruning(structure="neurons", unit_multiple=16, fit_config=False)
+    with pytest.raises(ValueError, match=r"unit_multiple=16 keeps every unit of every group .* \(16 neurons\)"):
+        plan.check(mlp, 0.5, batch)
+    resolve_pruning(structure="neurons", unit_multiple=4, fit_config=False).check(mlp, 0.5, batch)  # 8 of 16: fine

@@ -12,6 +12,7 @@ never which kind it is.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from ..shrinking.cut import cut_in_place, kept_index
 from ..shrinking.families import config_family
 from ..shrinking.fit import fit
 from ..shrinking.shrink import KINDS, eval_output, example_batch, shrink, shrink_record
+
+logger = logging.getLogger("hf_sms")
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,18 @@ class Units(Structure):
                     f"target_sparsity={target:g} removes all {g.n_units} {g.kind} of {g.name}; a layer keeps at "
                     f"least one: use a target below {1 - 0.5 / g.n_units:.4g}"
                 )
+        whole = [g for g in groups if keep_count(g.n_units, target, g.n_units, plan.unit_multiple) >= g.n_units]
+        if whole and plan.unit_multiple > 1:  # rounding up to the multiple keeps every unit of these groups
+            names = ", ".join(f"{g.name} ({g.n_units} {g.kind})" for g in whole[:4]) + (
+                " ..." if len(whole) > 4 else ""
+            )
+            if len(whole) == len(groups):
+                raise ValueError(
+                    f"unit_multiple={plan.unit_multiple} keeps every unit of every group at target_sparsity={target:g} "
+                    f"(the run would train at sparsity 0): {names}. Use a unit_multiple below the groups' sizes (or 1)"
+                )
+            kept = f"{len(whole)} of {len(groups)} groups"
+            logger.warning("[hf-sms] unit_multiple=%d keeps every unit of %s: %s", plan.unit_multiple, kept, names)
 
     def rounding(self, plan, model, masks, batch):
         """One unit's weights per group (the allocation rounds per group)."""
