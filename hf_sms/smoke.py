@@ -58,6 +58,18 @@ def smoke_translation(folder: str) -> dict:
     return files
 
 
+def smoke_text(folder: str) -> dict:
+    """JSON-lines ``{"text": ...}`` (train, validation, test) of counting sentences a tiny LM can learn a little
+    of; the data fields."""
+    files = {}
+    for split, (start, n) in {"train": (0, 60), "validation": (60, 10), "test": (70, 10)}.items():
+        path = files[f"{split}_file"] = os.path.join(folder, f"{split}.jsonl")
+        with atomic_write(path) as f:
+            for i in range(start, start + n):
+                f.write(json.dumps({"text": f"count {i}: {i + 1}, {i + 2}, {i + 3}. "}) + "\n")
+    return files
+
+
 def smoke_imagefolder(folder: str) -> dict:
     """Class subfolders of PNGs in ``train/`` and ``validation/`` (datasets' imagefolder); the data fields."""
     root = os.path.join(folder, "images")

@@ -25,10 +25,13 @@ RECIPE_OF = {  # every shipped config, on its recipe's smoke data
     "resnet18_cifar10": "cifar",
     "wrn20_cifar100": "cifar",
     "resnet18_celeba": "cifar",
+    "llama_wikitext2": "causal_lm",
 }
 RUNS = {  # id: (recipe, extra flags, the named test sets every row must carry)
     **{name: (name, [], ["test"]) for name in ("t5_wmt16", "image_classification", "pspnet_segmentation", "cifar")},
     **{f"config-{c}": (r, ["--config", str(CONFIGS / f"{c}.yaml")], ["test"]) for c, r in RECIPE_OF.items()},
+    # a LLaMA whose replicas train MaskLoRA adapters (replica_params), perplexity
+    "causal_lm": ("causal_lm", ["--replica_params", "mask_lora"], ["test"]),
     # ImageNet-C's folder layout read from disk
     "image_classification-ood": ("image_classification", ["--ood"], ["test", "ood"]),
     # WRN-20 with CIFAR-C made on the fly; CelebA's subgroup recall
@@ -78,7 +81,13 @@ def smoke_runs(tmp_path_factory):
 
 # A config whose smoke run takes the recipe's plain path again runs with -m slow (every config parses in CI:
 # tests/test_recipes.py::test_shipped_configs_parse); the others exercise a model or metric of their own.
-SAME_PATH = {"config-t5_wmt16", "config-resnet50_imagenet", "config-pspnet_cityscapes", "config-resnet18_cifar10"}
+SAME_PATH = {
+    "config-t5_wmt16",
+    "config-resnet50_imagenet",
+    "config-pspnet_cityscapes",
+    "config-resnet18_cifar10",
+    "config-llama_wikitext2",
+}
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ recall, corrupted test sets (``hf_sms.evaluation.corruptions``, the ``ood`` extr
 FLOP count, and evaluation shared by a run's processes (``sharded``)."""
 
 from .flops import theoretical_speedup
-from .metrics import BleuMetric, ClassificationAccuracy, MeanIoU, MetricFn, predict_proba
+from .metrics import BleuMetric, ClassificationAccuracy, MeanIoU, MetricFn, NegativePerplexity, predict_proba
 from .named import MeanOverSets, measure, metric_name, named_tests
 from .sharded import evaluate, is_batch_metric
 from .subgroups import SubgroupRecall
@@ -12,6 +12,7 @@ __all__ = [
     "BleuMetric",
     "ClassificationAccuracy",
     "MeanIoU",
+    "NegativePerplexity",
     "MeanOverSets",
     "MetricFn",
     "SubgroupRecall",

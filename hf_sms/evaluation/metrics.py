@@ -11,9 +11,11 @@ ImageNet scale every phase evaluates m candidates, soups and baselines on 50k im
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
@@ -125,6 +127,33 @@ class BleuMetric:
 
         hyps, refs = [h for s in statistics for h in s[0]], [r for s in statistics for r in s[1]]
         return float(sacrebleu.corpus_bleu(hyps, [refs]).score)
+
+    def __call__(self, model: nn.Module, dataset) -> float:
+        return evaluate(self, model, dataset)  # one process; the loop passes its processes
+
+
+class NegativePerplexity:
+    """Perplexity of a causal language model on ``labels`` (next-token, -100 ignored), negated: the loop picks
+    soups by a metric that is higher when better, so a run reports ``-perplexity`` (``-12.3`` is perplexity 12.3).
+    Exact token-weighted statistics per batch, so a run's processes share it."""
+
+    name = "negative perplexity"
+
+    def __init__(self, batch_size: int | None = None, collate_fn=None):
+        self.batch_size, self.collate_fn = batch_size or 8, collate_fn or default_data_collator
+        self.batch_size_open = batch_size is None  # a run reads in batches of its per_device_eval_batch_size
+        self.loader_kwargs: dict = {}
+
+    def batch_statistics(self, model: nn.Module, batch, device) -> tuple[float, int]:
+        logits = _logits(forward_batch(model, batch, device)).float()[:, :-1]
+        labels = batch["labels"].to(logits.device)[:, 1:]
+        flat = logits.reshape(-1, logits.shape[-1])
+        nll = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum")
+        return float(nll), int((labels != -100).sum())
+
+    def finish(self, statistics: list[tuple[float, int]]) -> float:
+        tokens = sum(n for _, n in statistics)
+        return -math.exp(sum(s for s, _ in statistics) / tokens) if tokens else math.nan
 
     def __call__(self, model: nn.Module, dataset) -> float:
         return evaluate(self, model, dataset)  # one process; the loop passes its processes
