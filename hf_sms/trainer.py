@@ -20,15 +20,7 @@ from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
-from .adapters.replica import (
-    ADAPTER_FOLDER,
-    adapted,
-    adapter_masks,
-    kind_of,
-    make_replica,
-    merged_copy,
-    save_adapter,
-)
+from .adapters.replica import ADAPTER_FOLDER, adapted, adapter_masks, kind_of, make_replica, merged_copy, save_adapter
 from .arguments import as_sparse_arguments, sparse_config
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
@@ -332,6 +324,15 @@ class SparseSoupMixin:
                 model = merged_copy(self.model) if self.adapted else self.model
                 save_sparse(model, folder, processing_class=self.processing_class)
                 merge_trainer_card(folder, card)
+                if self.args.plan.units == "units":  # the run loop saves the smaller model; here it is one call away
+                    structure = self.args.plan.describe().get("structure")
+                    logger.warning(
+                        "[hf-sms] structure=%r: %s holds the pruned model with its removed units as zeros, not the "
+                        "smaller model; hf_sms.shrink(trainer.model, batch) cuts it, then hf_sms.save_sparse saves "
+                        "that (docs/trainer.md)",
+                        structure,
+                        folder,
+                    )
         if push and not _internal_call:  # what Trainer.save_model does, once the folder is the soup's
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -224,3 +224,23 @@ def test_a_unit_multiple_that_keeps_every_unit_is_refused_before_work():
     with pytest.raises(ValueError, match=r"unit_multiple=16 keeps every unit of every group .* \(16 neurons\)"):
         plan.check(mlp, 0.5, batch)
     resolve_pruning(structure="neurons", unit_multiple=4, fit_config=False).check(mlp, 0.5, batch)  # 8 of 16: fine
+
+
+# -- the mixin with units (item 16) -------------------------------------------------------------------------------
+def test_a_trainer_with_units_says_how_to_get_the_smaller_model_and_that_works(tmp_path, caplog):
+    import logging
+
+    import hf_sms
+    from hf_sms.shrinking import parameter_count
+
+    model = make_cnn()
+    data = make_image_dataset()
+    args = training_args(str(tmp_path / "o"), SparseSoupConfig, max_steps=2, structure="filters", target_sparsity=0.5)
+    trainer = SparseSoupTrainer(model, args, train_dataset=data)
+    trainer.train()
+    with caplog.at_level(logging.WARNING, logger="hf_sms"):
+        trainer.save_model()
+    assert "hf_sms.shrink(trainer.model, batch)" in caplog.text
+    batch = trainer.data_collator(data[:4] if isinstance(data, dict) else [data[i] for i in range(4)])
+    smaller = hf_sms.shrink(trainer.model, batch)  # what the log line says, as it says it
+    assert parameter_count(smaller) < parameter_count(trainer.model)
