@@ -244,3 +244,43 @@ def test_a_trainer_with_units_says_how_to_get_the_smaller_model_and_that_works(t
     batch = trainer.data_collator(data[:4] if isinstance(data, dict) else [data[i] for i in range(4)])
     smaller = hf_sms.shrink(trainer.model, batch)  # what the log line says, as it says it
     assert parameter_count(smaller) < parameter_count(trainer.model)
+
+
+# -- the trace and "stated" caches (item 3) -------------------------------------------------------------------------
+class Flex(torch.nn.Module):
+    """One class whose forward depends on an attribute: mixing the hidden neurons ties them all together."""
+
+    def __init__(self, mix: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mix = mix
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h + h.flip(-1) if self.mix else h)
+
+
+@pytest.mark.parametrize("order", [(False, True), (True, False)])
+def test_two_instances_of_one_class_with_different_forwards_get_their_own_trace(order):
+    from hf_sms.pruning.graph import trace as trace_module
+    from hf_sms.pruning.graph import trace_units
+
+    def groups(mix):
+        found = trace_units(Flex(mix), torch.randn(2, 8)).groups(("neurons",))
+        return [(g.name, g.n_units) for g in found]
+
+    trace_module._CACHE.clear()
+    alone = {mix: (trace_module._CACHE.clear(), groups(mix))[1] for mix in order}
+    trace_module._CACHE.clear()
+    together = {mix: groups(mix) for mix in order}  # the second is traced after the first, cache warm
+    assert together == alone and alone[False] != alone[True]
+
+
+def test_a_hook_changes_the_trace_key():
+    from hf_sms.pruning.graph.trace import architecture_key
+
+    plain, hooked = Flex(False), Flex(False)
+    assert architecture_key(plain) == architecture_key(Flex(False))
+    hooked.up.register_forward_hook(lambda m, i, o: o.flip(-1))
+    assert architecture_key(plain) != architecture_key(hooked)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..pruning.allocations import get_allocation, n_of_m, parse_n_of_m
 from ..pruning.graph import trace_units
+from ..pruning.graph.trace import architecture_key
 from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
 from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
 from ..registry import ALLOCATIONS, STRUCTURES
@@ -231,8 +232,8 @@ def _stated(model: nn.Module, batch, groups: list[UnitGroup], kinds) -> list[boo
     """Per group, whether the smaller model can drop its units: its family's config states them (:func:`fit` on
     half of every group), or, for a model no config rebuilds, cutting half of every group of its kind in place
     keeps the outputs (a plain ``nn.MultiheadAttention`` cannot lose heads: its head size is ``embed_dim /
-    num_heads``). Remembered per architecture."""
-    key = (type(model).__qualname__, tuple(kinds), tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    num_heads``). Remembered per :func:`~hf_sms.pruning.graph.trace.architecture_key`."""
+    key = (architecture_key(model), tuple(kinds))
     if key not in _STATED:
         if len(_STATED) > 16:
             _STATED.pop(next(iter(_STATED)))

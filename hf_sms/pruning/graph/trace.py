@@ -108,17 +108,49 @@ def _small(batch, n: int = 2):
 _CACHE: dict = {}
 
 
+def _value_key(v) -> object:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return tuple(_value_key(x) for x in v)
+    if isinstance(v, torch.Tensor):  # a plain tensor attribute: its shape and dtype decide what a forward does
+        return ("tensor", tuple(v.shape), str(v.dtype))
+    return (type(v).__qualname__, repr(v)[:2000])
+
+
+def _hooks(module: nn.Module) -> tuple:
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return tuple(getattr(h, "__qualname__", type(h).__qualname__) for h in hooks)
+
+
+def _attributes(module: nn.Module) -> tuple:
+    plain = {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+    return tuple(sorted((k, _value_key(v)) for k, v in plain.items()))
+
+
+def architecture_key(model: nn.Module) -> tuple:
+    """What decides a model's trace besides its batch: every module's class (the object, so two classes of one name
+    differ), its plain attributes (``Flex(mix=True)`` vs ``Flex(mix=False)``), its hooks, and every tensor's
+    shape. Two copies of one model share it; two instances whose forwards differ do not."""
+    modules = tuple((name, id(type(m)), _hooks(m), _attributes(m)) for name, m in model.named_modules())
+    shapes = tuple((n, tuple(t.shape)) for n, t in [*model.named_parameters(), *model.named_buffers()])
+    return modules, shapes, _hooks_global()
+
+
+def _hooks_global() -> tuple:
+    from torch.nn.modules import module as torch_module
+
+    return tuple(len(d) for d in (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks))
+
+
 @torch.no_grad()
 def trace_units(model: nn.Module, example_inputs) -> Trace:
     """The unit spaces of ``model``, found from one eval forward on (the first two examples of)
     ``example_inputs``, a batch as :func:`hf_sms.batchnorm.forward_batch` takes it. The model's training mode is
-    restored. Remembered per architecture and batch shape: the spaces depend on shapes, not on weights."""
+    restored. Remembered per :func:`architecture_key` and batch shape: the spaces depend on the forward and the
+    shapes, not on the weights."""
     batch = _small(example_inputs)
-    key = (
-        type(model).__qualname__,
-        tuple((n, tuple(t.shape)) for n, t in [*model.named_parameters(), *model.named_buffers()]),
-        _signature(batch),
-    )
+    key = (architecture_key(model), _signature(batch))
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.pop(next(iter(_CACHE)))
