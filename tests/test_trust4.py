@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_cnn, make_image_dataset, training_args
@@ -284,3 +286,30 @@ def test_a_hook_changes_the_trace_key():
     assert architecture_key(plain) == architecture_key(Flex(False))
     hooked.up.register_forward_hook(lambda m, i, o: o.flip(-1))
     assert architecture_key(plain) != architecture_key(hooked)
+
+
+# -- a cut-in-place soup opened with from_pretrained (item 19) ---------------------------------------------------
+def test_from_pretrained_of_a_soup_cut_in_place_names_load_sparse(tmp_path, t5_dataset):
+    from conftest import make_t5, sms_config
+    from transformers import T5ForConditionalGeneration
+
+    import hf_sms
+    from hf_sms.loop.sms import run_sms
+
+    def neg_loss(model, dataset):
+        batch = {k: torch.stack([r[k] for r in dataset]) for k in dataset[0]}
+        with torch.no_grad():
+            return -float(model(**batch).loss)
+
+    args = sms_config(tmp_path, structure="neurons", target_sparsity=0.5, n_phases=1, num_replicas=1, max_steps=1,
+                      per_device_train_batch_size=4, fit_config=False, measure_speedup=False)  # fmt: skip
+    run_sms(make_t5(), args, t5_dataset, neg_loss, eval_dataset=t5_dataset[:4])
+    folder = tmp_path / "run" / "final_soup"
+    shrunk = json.loads((folder / "sparsity.json").read_text())["recipe"]["shrunk"]
+    assert (shrunk["saved"], shrunk["cut"]) == ("smaller", "in place")
+    with pytest.raises(ValueError, match=r"hf_sms\.load_sparse\("):
+        T5ForConditionalGeneration.from_pretrained(str(folder))
+    loaded = hf_sms.load_sparse(str(folder))  # what the message says works
+    batch = {k: torch.stack([r[k] for r in t5_dataset[:2]]) for k in t5_dataset[0]}
+    with torch.no_grad():
+        assert torch.isfinite(loaded(**batch).loss)

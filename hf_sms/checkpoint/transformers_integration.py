@@ -233,7 +233,15 @@ def check_dense_folder(directory: str) -> None:
     """Raise ``ValueError`` naming what is wrong if an hf-sms ``format="dense"`` folder is not what its
     ``sparsity.json`` records: another file, a tensor renamed or swapped, a byte changed, another mask. Every other
     folder (bitmask: its quantizer checks it; not hf-sms's) passes untouched."""
-    if (read_sparsity(directory) or {}).get("format") != "dense":
+    info = read_sparsity(directory) or {}
+    shrunk = (info.get("recipe") or {}).get("shrunk") if isinstance(info.get("recipe"), dict) else None
+    if isinstance(shrunk, dict) and shrunk.get("cut") == "in place":  # widths its config cannot state
+        raise ValueError(
+            f"{directory} holds a smaller model cut in place (widths its config cannot state): transformers would "
+            f"build the full-size model and fill the layers that differ at random. Load it with "
+            f"hf_sms.load_sparse({directory!r}), which cuts the model to the stored widths"
+        )
+    if info.get("format") != "dense":
         return
     problems = verify_checkpoint(CheckpointFiles(directory))[0]
     if problems:
