@@ -102,7 +102,8 @@ def warn_unused_weights(model, batch) -> list[str]:
             if not outputs:
                 return []
             total = sum(o.float().sum() for o in outputs)
-            grads = torch.autograd.grad(total, [t.param for t in tensors], allow_unused=True)
+            reached = _leaves(total)  # the graph's leaves: no backward, no gradient memory (a model's worth)
+            grads = [True if id(t.param) in reached else None for t in tensors]
     except (RuntimeError, TypeError, ValueError) as e:  # a batch this check cannot feed: the run finds out itself
         logger.debug("[hf-sms] unused-weight check skipped: %r", e)
         return []
@@ -120,6 +121,21 @@ def warn_unused_weights(model, batch) -> list[str]:
             f"{count:,}", 100 * count / sum(t.param.numel() for t in tensors), names,
         )  # fmt: skip
     return [t.name for t in unused]
+
+
+def _leaves(output: torch.Tensor) -> set[int]:
+    """``id`` of every tensor ``output``'s autograd graph accumulates a gradient into: the weights a backward
+    would reach (what ``torch.autograd.grad(..., allow_unused=True)`` returns no ``None`` for)."""
+    seen, stack, leaves = set(), [output.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # AccumulateGrad: a leaf tensor
+            leaves.add(id(fn.variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return leaves
 
 
 def preview_shrink(args, model, batch) -> float | None:
