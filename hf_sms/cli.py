@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from .checkpoint.constants import FORMATS  # file names and formats only: no torch
+from .checkpoint.integrity import CorruptionError  # no torch either
 
 
 def _output(p: argparse.ArgumentParser, fmt: str, what: str) -> None:
@@ -96,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return int(command(args.run)(args) or 0)
-    except ValueError as e:
+    except ValueError as e:  # exit 1: corrupted (bytes or files not what the folder records); 2: anything else
         print(f"hf-sms {args.command}: error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, CorruptionError) else 2
+    except OSError as e:  # unreadable file or folder (permissions, a dangling link, a file gone mid-read)
+        what = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        print(f"hf-sms {args.command}: error: cannot read {what}; check the path and its permissions", file=sys.stderr)
         return 2
 
 

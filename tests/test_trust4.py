@@ -313,3 +313,40 @@ def test_from_pretrained_of_a_soup_cut_in_place_names_load_sparse(tmp_path, t5_d
     batch = {k: torch.stack([r[k] for r in t5_dataset[:2]]) for k in t5_dataset[0]}
     with torch.no_grad():
         assert torch.isfinite(loaded(**batch).loss)
+
+
+# -- unreadable folders and hf-sms inspect's exit codes (item 10) -------------------------------------------------
+def test_inspect_exit_codes_tell_cannot_read_from_corrupted(tmp_path, capsys, monkeypatch):
+    import builtins
+    import os
+
+    from hf_sms import save_sparse
+    from hf_sms.cli import main
+
+    folder = tmp_path / "soup"
+    save_sparse(make_cnn(), str(folder))
+    assert main(["inspect", str(folder)]) == 0
+    other = tmp_path / "other"
+    save_sparse(make_cnn(seed=1), str(other))
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())  # a file of another save
+    assert main(["inspect", str(folder)]) == 1
+    assert "hf-sms inspect: error:" in capsys.readouterr().err
+    (folder / "model.safetensors").unlink()
+    os.symlink(folder / "gone.safetensors", folder / "model.safetensors")  # dangling, inside the folder
+    assert main(["inspect", str(folder)]) == 2
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").write_bytes(weights)
+    real_open = builtins.open
+
+    def denied(path, *args, **kwargs):  # mode 000 as a user other than root sees it
+        if str(path).endswith("model.safetensors"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    assert main(["inspect", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "Permission denied" in err and "Traceback" not in err
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert main(["inspect", str(tmp_path / "missing")]) == 2

@@ -22,6 +22,11 @@ from .constants import INDEX_NAME, SPARSITY_NAME
 _FIX = "re-download the folder, or re-save it"
 
 
+class CorruptionError(ValueError):
+    """A folder whose bytes or files are not what it records (``hf-sms inspect`` exits 1; a folder it cannot read,
+    2)."""
+
+
 def _digest(path: str, header_only: bool) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -61,19 +66,19 @@ def check_manifest(folder: str, info: dict | None, weight_paths: list[str]) -> N
     if recorded is None:
         return
     if not isinstance(recorded, dict) or not all(isinstance(v, dict) for v in recorded.values()):
-        raise ValueError(f"{folder}/{SPARSITY_NAME} has a corrupted file manifest ('files'); {_FIX}")
+        raise CorruptionError(f"{folder}/{SPARSITY_NAME} has a corrupted file manifest ('files'); {_FIX}")
     present = _listed(folder, weight_paths)
     extra = [n for n in present if n not in recorded]
     if extra:
-        raise ValueError(f"{folder}: {extra[0]} is not one of the weight files {SPARSITY_NAME} records: it comes "
+        raise CorruptionError(f"{folder}: {extra[0]} is not one of the weight files {SPARSITY_NAME} records: it comes "
                          f"from another save; {_FIX}")  # fmt: skip
     for name, want in recorded.items():
         if name not in present:
-            raise ValueError(f"{folder}: the weight file {name} that {SPARSITY_NAME} records is missing; {_FIX}")
+            raise CorruptionError(f"{folder}: the weight file {name} that {SPARSITY_NAME} records is missing; {_FIX}")
         have = _entry(folder, name)
         if have != {k: want.get(k) for k in have}:
             what = "header (tensor names, shapes, byte ranges, checksums)" if "header_sha256" in have else "content"
-            raise ValueError(
+            raise CorruptionError(
                 f"{folder}: the {what} of {name} differs from what {SPARSITY_NAME} records: tensors were renamed or "
                 f"swapped, or the file comes from another save; {_FIX}"
             )
