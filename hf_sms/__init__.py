@@ -59,7 +59,9 @@ __version__ = "0.1.0"
 
 
 def _register_with_transformers() -> None:
-    importlib.import_module(".checkpoint.transformers_integration", __name__).register()
+    integration = importlib.import_module(".checkpoint.transformers_integration", __name__)
+    if hasattr(integration, "register"):  # else it is being imported right now, and registers at its end
+        integration.register()
 
 
 # AutoModel*.from_pretrained(dir) decodes bitmask checkpoints: registered once the module that defines

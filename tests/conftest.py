@@ -112,14 +112,16 @@ _SAME_WIDTH_INT = {
 
 
 def forget_manifest(folder) -> None:
-    """Drop the file manifest from a folder's sparsity.json, as folders saved before it have none: a test that
-    rewrites a weight file on purpose reaches the checks behind the manifest's (which refuses any rewrite)."""
+    """Make a folder's sparsity.json one saved before the manifest (format version 1, no ``files``): a test that
+    rewrites a weight file on purpose reaches the checks behind the manifest's (which refuses any rewrite; a
+    version-2 folder without its manifest is refused outright)."""
     import json
     from pathlib import Path
 
     path = Path(folder) / "sparsity.json"
     info = json.loads(path.read_text())
     info.pop("files", None)
+    info["hf_sms_format_version"] = 1
     path.write_text(json.dumps(info))
 
 

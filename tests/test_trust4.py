@@ -350,3 +350,95 @@ def test_inspect_exit_codes_tell_cannot_read_from_corrupted(tmp_path, capsys, mo
     assert "cannot read" in err and "Permission denied" in err and "Traceback" not in err
     monkeypatch.setattr(builtins, "open", real_open)
     assert main(["inspect", str(tmp_path / "missing")]) == 2
+
+
+def test_importing_the_transformers_integration_first_still_registers_it():
+    """The import hook of ``import hf_sms`` fires while the integration module is only half defined when that module
+    is what first imports transformers' models; registration used to be lost then (order-dependent tests)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from hf_sms import apply_masks\n"
+        "from hf_sms.checkpoint import transformers_integration\n"
+        "import transformers.quantizers.auto as qa, transformers.modeling_utils as mu\n"
+        "assert any('hf-sms' in k for k in qa.AUTO_QUANTIZER_MAPPING)\n"
+        "assert getattr(mu.PreTrainedModel.from_pretrained, 'hf_sms_checked', False)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# -- every reader checks the manifest and the mask hash (item 7) ---------------------------------------------------
+def _t5_folder(path, seed=0):
+    from conftest import make_t5
+
+    from hf_sms import prune, save_sparse
+
+    model = make_t5(seed)
+    prune(model, 0.5)
+    save_sparse(model, str(path))
+    return path
+
+
+def _readers(folder, tmp_path):
+    """Every way to read a folder, each as a callable that raises or returns; inspect returns its exit code."""
+    from transformers import T5ForConditionalGeneration
+
+    from hf_sms import load_sparse
+    from hf_sms.checkpoint.merge import convert_checkpoint
+    from hf_sms.cli import main
+
+    return {
+        "load_sparse": lambda: load_sparse(str(folder)),
+        "from_pretrained": lambda: T5ForConditionalGeneration.from_pretrained(str(folder)),
+        "convert": lambda: convert_checkpoint(str(folder), str(tmp_path / "converted"), "dense", overwrite=True),
+        "inspect": lambda: main(["inspect", str(folder)]),
+    }
+
+
+@pytest.mark.parametrize("how", ["deleted", "renamed"])
+def test_a_folder_without_its_manifest_is_refused_by_every_reader(tmp_path, how):
+    folder = _t5_folder(tmp_path / "t5")
+    info = json.loads((folder / "sparsity.json").read_text())
+    files = info.pop("files")
+    if how == "renamed":
+        info["filez"] = files
+    (folder / "sparsity.json").write_text(json.dumps(info))
+    for name, read in _readers(folder, tmp_path).items():
+        if name == "inspect":
+            assert read() == 1, name
+        else:
+            with pytest.raises(ValueError, match="records no weight files"):
+                read()
+
+
+def test_weights_of_another_save_with_a_rebuilt_manifest_are_refused_by_their_mask(tmp_path):
+    from hf_sms.checkpoint.folder import weight_files
+    from hf_sms.checkpoint.integrity import weight_manifest
+
+    folder, other = _t5_folder(tmp_path / "t5"), _t5_folder(tmp_path / "other", seed=1)
+    (folder / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    info = json.loads((folder / "sparsity.json").read_text())
+    info["files"] = weight_manifest(str(folder), weight_files(str(folder)))  # the manifest agrees with the files
+    (folder / "sparsity.json").write_text(json.dumps(info))
+    for name, read in _readers(folder, tmp_path).items():
+        if name == "inspect":
+            assert read() == 1, name
+        else:
+            with pytest.raises(ValueError, match="do not have the mask recorded"):
+                read()
+
+
+def test_a_folder_saved_before_the_manifest_loads_with_a_warning(tmp_path, caplog):
+    import logging
+
+    from conftest import forget_manifest
+
+    from hf_sms import load_sparse
+
+    folder = _t5_folder(tmp_path / "t5")
+    forget_manifest(folder)
+    with caplog.at_level(logging.WARNING, logger="hf_sms"):
+        load_sparse(str(folder))
+    assert "no file manifest" in caplog.text

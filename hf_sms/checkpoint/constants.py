@@ -15,7 +15,9 @@ TMP_PREFIX = ".hf_sms-"  # temporary folders next to the target; hidden, and ski
 FORMATS = ("bitmask", "dense")
 # One version for everything on disk: the index header, sparsity.json, the quantization_config and the
 # safetensors metadata. Readers refuse a newer version instead of misreading it.
-FORMAT_VERSION = 1
+# 2: sparsity.json always records its file manifest ("files"); a version-2 folder without one is refused.
+FORMAT_VERSION = 2
+MANIFEST_SINCE = 2
 # Also the text of transformers' warning when hf_sms is not imported ("Unknown quantization type, got ..."), so it
 # says how to load the folder; folders written before carry the short name, still registered.
 QUANT_METHOD = "hf-sms-sparse, loaded after `import hf_sms` (pip install hf-sms)"

@@ -11,7 +11,7 @@ import numpy as np
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
 from .families import Family, family_of_config, get_family
 from .folder import PREVIOUS_SUFFIX, checkpoint_file, read_json, read_sparsity, restore_previous, weight_files
-from .integrity import check_manifest
+from .integrity import CorruptionError, check_manifest, require_manifest
 from .masks import MaskStats
 from .safetensors_raw import RawSafetensorsFile
 
@@ -55,6 +55,7 @@ class CheckpointFiles:
                 "checkpoint. Save one with hf_sms.save_sparse(model, directory)."
             )
         paths = weight_files(directory)
+        require_manifest(directory, self.info)
         check_manifest(directory, self.info, paths)  # names and files bound to the folder, before anything is read
         self.files = [self.file_class(p) for p in paths]
         self._where: dict[str, RawSafetensorsFile] = {}
@@ -122,7 +123,7 @@ class CheckpointFiles:
         """Raise if the masks measured in ``stats`` (over ``names``: :meth:`hashed_names`) do not have the recorded
         hash."""
         if any(n not in stats.per_tensor for n in names) or stats.summary(names)["mask_hash"] != self.info["mask_hash"]:
-            raise ValueError(
+            raise CorruptionError(
                 f"the weights of {self.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
                 "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
             )

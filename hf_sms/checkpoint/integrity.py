@@ -14,10 +14,13 @@ SparseCheckpoint`: ``load_sparse``, ``merge``, ``convert``, ``inspect``, ``speed
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
 
-from .constants import INDEX_NAME, SPARSITY_NAME
+from .constants import INDEX_NAME, MANIFEST_SINCE, SPARSITY_NAME
+
+logger = logging.getLogger("hf_sms")
 
 _FIX = "re-download the folder, or re-save it"
 
@@ -57,6 +60,26 @@ def weight_manifest(folder: str, weight_paths: list[str]) -> dict:
     """``{file: {"bytes", "header_sha256" | "sha256"}}`` of a folder's weight files (and its shard index), for
     ``sparsity.json``."""
     return {name: _entry(folder, name) for name in _listed(folder, weight_paths)}
+
+
+_UNCHECKED: set[str] = set()  # folders already warned about
+
+
+def require_manifest(folder: str, info: dict | None) -> None:
+    """A folder of format version 2 or later must record its manifest (deleted or renamed: refused); an older
+    hf-sms folder without one loads with a warning that its files are unchecked."""
+    if info is None or info.get("files") is not None:
+        return
+    version = info.get("hf_sms_format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version >= MANIFEST_SINCE:
+        raise CorruptionError(
+            f"{folder}/{SPARSITY_NAME} (format version {version!r}) records no weight files ('files'): its manifest "
+            f"was deleted or renamed, so its weights cannot be checked; {_FIX}"
+        )
+    if folder not in _UNCHECKED:
+        _UNCHECKED.add(folder)
+        why = "no file manifest: its files are not checked against its record; re-save it to add one"
+        logger.warning("[hf-sms] %s was saved by hf-sms before 0.9 (%s)", folder, why)
 
 
 def check_manifest(folder: str, info: dict | None, weight_paths: list[str]) -> None:

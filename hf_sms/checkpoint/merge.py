@@ -246,6 +246,10 @@ def merge_checkpoints(
             _merge_tensor(ckpts, name, weight, spec, writer)
         stats = writer.save(os.path.join(tmp, WEIGHTS_NAME))
         del writer
+        for ckpt in ckpts:  # the inputs' masks as read (and kept) are the ones each records, or nothing is written
+            hashed = ckpt.hashed_names(stats.per_tensor)
+            if hashed is not None:
+                ckpt.check_mask_hash(stats, hashed)
         # Step 3: the folder: input 0's config and processor files, the merged weights, sparsity.json
         copy_companion_files(ref.directory, tmp)
         ref.family.write_config(tmp, format)

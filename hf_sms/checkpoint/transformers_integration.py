@@ -40,7 +40,8 @@ from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
 from .files import CheckpointFiles
 from .folder import checkpoint_file, read_sparsity, weight_files
 from .inspect import verify_checkpoint
-from .integrity import check_manifest
+from .integrity import check_manifest, require_manifest
+from .masks import MaskStats, eligible
 from .prefetch import Prefetcher
 from .safetensors_io import SafetensorsFile
 
@@ -154,8 +155,11 @@ class SparseCheckpointQuantizer(HfQuantizer):
                     checkpoint_file(root, os.path.relpath(os.path.normpath(p), os.path.normpath(root)))
             # the files and every tensor's name are the ones sparsity.json records (a Hub download: its snapshot)
             folder = root if root and os.path.isdir(root) else (os.path.dirname(paths[0]) if paths else None)
+            self._folder = folder
             if folder is not None:
-                check_manifest(folder, read_sparsity(folder), weight_files(folder))
+                info = read_sparsity(folder)
+                require_manifest(folder, info)
+                check_manifest(folder, info, weight_files(folder))
             self._files = files = [SafetensorsFile(p) for p in paths]
             self._prefetch = Prefetcher(files)
         plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
@@ -190,6 +194,7 @@ class SparseCheckpointQuantizer(HfQuantizer):
         for f in self._files:  # transformers read the tensors stored as they are: check their bytes in the file
             for key in f.crcs:
                 f.read(key, mapped=True)
+        self._check_mask_hash(model)
         missing = [
             k
             for k, v in model.state_dict(keep_vars=True).items()
@@ -202,6 +207,24 @@ class SparseCheckpointQuantizer(HfQuantizer):
                 "the checkpoint, or load into a template with hf_sms.load_sparse(dir, model=...)."
             )
         return model
+
+    _folder: str | None = None
+
+    @torch.no_grad()
+    def _check_mask_hash(self, model) -> None:
+        """The loaded weights have the mask ``sparsity.json`` records (as ``load_sparse`` checks): weight files and
+        record from different saves are refused, not loaded."""
+        if self._folder is None:
+            return
+        files = CheckpointFiles(self._folder)
+        state = model.state_dict()
+        names = files.hashed_names(n for n, t in state.items() if eligible(n, t.shape, t.dtype))
+        if not names or any(n not in state for n in names):  # names transformers converted: not comparable here
+            return
+        stats = MaskStats()
+        for name in names:
+            stats.add(name, state[name] != 0, "")
+        files.check_mask_hash(stats, names)
 
     def get_load_operations(self):
         return {"deserialize": SparseDecode, "dequantize": SparseDecode}
@@ -263,3 +286,8 @@ def _checked(from_pretrained):
 
     checked.hf_sms_checked = True
     return classmethod(checked)
+
+
+# Importing this module registers too: when it is what first imports transformers' models, the import hook of
+# hf_sms/__init__.py fires while this module is only half defined (and finds no register() yet).
+register()
