@@ -111,6 +111,19 @@ _SAME_WIDTH_INT = {
 }
 
 
+# A minimal results.json of one run, one phase, one process (hf-sms table / timeline).
+RUN = {
+    "phases": [0.5],
+    "rows": {"sms_uniform": [{"sparsity": 0.5, "test": 90.0}]},
+    "world": {
+        "processes": 1,
+        "groups": 1,
+        "seconds": 2.0,
+        "jobs": [{"job": "sms/phase1/replica0", "rank": 0, "group": 0, "kind": "train", "start": 0.0, "end": 1.5}],
+    },
+}
+
+
 def forget_manifest(folder) -> None:
     """Make a folder's sparsity.json one saved before the manifest (format version 1, no ``files``): a test that
     rewrites a weight file on purpose reaches the checks behind the manifest's (which refuses any rewrite; a

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from conftest import sms_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
@@ -172,20 +173,20 @@ def test_merge_adapters_refuses_other_adapters():
 
 
 # -- the trainer on a PeftModel --------------------------------------------------------------------------------------
+def lm_rows(n: int = 16) -> list[dict]:
+    return [{"input_ids": torch.randint(1, 64, (12,)), "labels": torch.randint(1, 64, (12,))} for _ in range(n)]
+
+
+def lm_args(tmp_path, **overrides):
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4, report_to="none",
+                use_cpu=True, retrain_schedule="llr", disable_tqdm=True)  # fmt: skip
+    return SparseSoupConfig(**{**base, **overrides})
+
+
 def test_the_trainer_trains_a_peft_causal_lm_and_saves_both_forms(tmp_path):
     model, masks = tiny_llama()
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    rows = [{"input_ids": torch.randint(1, 64, (12,)), "labels": torch.randint(1, 64, (12,))} for _ in range(16)]
-    args = SparseSoupConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=0.01,
-        report_to="none",
-        use_cpu=True,
-        retrain_schedule="llr",
-        disable_tqdm=True,
-    )
+    rows, args = lm_rows(), lm_args(tmp_path, learning_rate=0.01)
     trainer = SparseSoupTrainer(peft_model, args, train_dataset=rows)  # the LM's own loss: no classification loss
     assert trainer.compute_loss_func is None
     trainer.train()
@@ -199,20 +200,7 @@ def test_the_trainer_trains_a_peft_causal_lm_and_saves_both_forms(tmp_path):
 
 def test_replica_params_in_the_trainer_train_a_subset_and_save_an_adapter_that_loads(tmp_path):
     model, masks = tiny_llama()
-    rows = [{"input_ids": torch.randint(1, 64, (12,)), "labels": torch.randint(1, 64, (12,))} for _ in range(16)]
-    args = SparseSoupConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=0.05,
-        report_to="none",
-        use_cpu=True,
-        retrain_schedule="llr",
-        disable_tqdm=True,
-        replica_params="mask_lora",
-        lora_rank=4,
-        lora_alpha=8,
-    )
+    rows, args = lm_rows(), lm_args(tmp_path, learning_rate=0.05, replica_params="mask_lora", lora_rank=4, lora_alpha=8)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = SparseSoupTrainer(model, args, masks=masks, train_dataset=rows)
     trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
@@ -299,25 +287,8 @@ def test_sms_with_subset_replicas_keeps_the_mask_and_resumes(tmp_path, kind):
     train, val, test = _digits()
     torch.manual_seed(0)
     model = DigitsResNet(width=4)
-    args = SparseSoupConfig(
-        output_dir=str(tmp_path / "run"),
-        target_sparsity=0.8,
-        n_phases=2,
-        num_replicas=2,
-        max_steps=3,
-        per_device_train_batch_size=32,
-        learning_rate=0.05,
-        optim="sgd",
-        use_cpu=True,
-        disable_tqdm=True,
-        report_to="none",
-        seed=0,
-        replica_params=kind,
-        lora_rank=2,
-        merge_methods=["greedy", "uniform"],
-        baselines=["imp"],
-        measure_speedup=False,
-    )
+    args = sms_config(tmp_path, replica_params=kind, lora_rank=2, merge_methods=["greedy", "uniform"], max_steps=3,
+                      baselines=["imp"], measure_speedup=False)  # fmt: skip
     soup, results = run_sms(model, args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)
     # exactly the target's zeros: one revived weight would lower it, one extra zero raise it
     n = sum(m.numel() for m in masks_from_model(soup).values())

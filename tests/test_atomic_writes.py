@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 import torch
-from conftest import make_cnn
+from conftest import RUN, make_cnn
 
 from hf_sms import save_sparse
 from hf_sms.atomic import atomic_path, atomic_write
@@ -21,16 +21,6 @@ from hf_sms.checkpoint.trainer_card import TRAINER_MARK, merge_trainer_card
 from hf_sms.checkpoint.trainer_masks import save_masks
 from hf_sms.results import plot_results, save_results, timeline_command
 
-RUN = {
-    "phases": [0.5],
-    "rows": {"sms_uniform": [{"sparsity": 0.5, "test": 90.0}]},
-    "world": {
-        "processes": 1,
-        "groups": 1,
-        "seconds": 2.0,
-        "jobs": [{"job": "sms/phase1/replica0", "rank": 0, "group": 0, "kind": "train", "start": 0.0, "end": 1.5}],
-    },
-}
 # every temp name a writer of hf-sms used before the helper, and the names the helper itself tries first (below)
 PLANTED = ("timeline.png.tmp.png", "results.json.tmp", "results.png.tmp.png", "sparse_masks.safetensors.tmp",
            "README.md.hf_sms-tmp", "model.safetensors.new")  # fmt: skip

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_cnn, make_image_dataset, training_args
+from conftest import RUN, make_cnn, make_image_dataset, training_args
 from transformers import Trainer
 
 from hf_sms import SparseSoupConfig, SparseSoupMixin, SparseSoupTrainer, compute_masks
@@ -60,16 +60,6 @@ def test_resume_true_without_a_checkpoint_raises_and_a_second_train_works(tmp_pa
 
 
 # -- hf-sms table / timeline on JSON that is not a results.json (item 11) ---------------------------------------
-RUN = {
-    "phases": [0.5],
-    "rows": {"sms_uniform": [{"sparsity": 0.5, "test": 90.0}]},
-    "world": {
-        "processes": 1,
-        "groups": 1,
-        "seconds": 2.0,
-        "jobs": [{"job": "sms/phase1/replica0", "rank": 0, "group": 0, "kind": "train", "start": 0.0, "end": 1.5}],
-    },
-}
 
 
 @pytest.mark.parametrize(
