@@ -432,3 +432,54 @@ def test_a_folder_saved_before_the_manifest_loads_with_a_warning(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="hf_sms"):
         load_sparse(str(folder))
     assert "no file manifest" in caplog.text
+
+
+# -- crafted headers (item 8) -----------------------------------------------------------------------------------------
+def _rewrite_header(path, edit) -> None:
+    """Rewrite a safetensors file's JSON header with ``edit(header)`` (the data bytes stay)."""
+    import struct
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+@pytest.mark.parametrize("bad", [2.0, -2, True])
+def test_a_crafted_shape_with_a_rebuilt_manifest_is_refused_not_verified(tmp_path, bad):
+    from hf_sms.checkpoint.folder import weight_files
+    from hf_sms.checkpoint.integrity import weight_manifest
+    from hf_sms.cli import main
+
+    folder = _t5_folder(tmp_path / "t5")
+    path = folder / "model.safetensors"
+
+    def edit(header):  # dims whose product is still the byte count: the old checks passed them
+        key = next(
+            k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 1 and v["shape"][0] % 2 == 0
+        )
+        n = header[key]["shape"][0]
+        header[key]["shape"] = [bad, n] if bad is True else [bad, int(n / bad)]
+
+    _rewrite_header(path, edit)
+    info = json.loads((folder / "sparsity.json").read_text())
+    info["files"] = weight_manifest(str(folder), weight_files(str(folder)))
+    (folder / "sparsity.json").write_text(json.dumps(info))
+    assert main(["inspect", str(folder)]) == 2  # cannot be read as a checkpoint: never "verified"
+    assert main(["convert", str(folder), "-o", str(tmp_path / "c"), "--format", "dense"]) == 2  # no traceback
+
+
+def test_a_dense_folder_whose_record_says_bitmask_is_refused(tmp_path):
+    from hf_sms import load_sparse, prune, save_sparse
+
+    model = make_cnn()
+    prune(model, 0.5)
+    save_sparse(model, str(tmp_path / "d"), "dense")
+    info = json.loads((tmp_path / "d" / "sparsity.json").read_text())
+    info["format"] = "bitmask"
+    (tmp_path / "d" / "sparsity.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="says bitmask but the weights are not hf-sms bitmask files"):
+        load_sparse(str(tmp_path / "d"), model=make_cnn())

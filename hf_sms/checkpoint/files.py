@@ -64,6 +64,7 @@ class CheckpointFiles:
                 if key in self._where:
                     raise ValueError(f"tensor {key!r} appears in two weight files of {directory}; re-save it")
                 self._where[key] = f
+        self._check_format()
         recorded = (self.info or {}).get("crc32") or {}  # a dense folder's checksums (the family's files)
         if not isinstance(recorded, dict) or not all(isinstance(v, int) for v in recorded.values()):
             raise ValueError(f"{directory}/{SPARSITY_NAME} has corrupted checksums; re-save the checkpoint")
@@ -103,6 +104,23 @@ class CheckpointFiles:
         """A stored tensor's bytes as they are in the file (an encoded tensor: its values, or ``name.sp_index``),
         checked against its CRC-32 where one is recorded."""
         return self._where[key].read_bytes(key)
+
+    def _check_format(self) -> None:
+        """The weight files are of the format ``sparsity.json`` names: bitmask files say so in their header, a dense
+        folder of version 2 records its checksums (else a flipped byte would load unnoticed)."""
+        fmt = (self.info or {}).get("format")
+        if fmt == "bitmask" and not all(f.metadata.get("hf_sms", "").startswith("bitmask-v") for f in self.files):
+            why = f"{SPARSITY_NAME} says bitmask but the weights are not hf-sms bitmask files"
+            raise CorruptionError(f"{self.directory}: {why}; re-save the checkpoint")
+        version = (self.info or {}).get("hf_sms_format_version", 1)
+        if (
+            fmt == "dense"
+            and isinstance(version, int)
+            and version >= 2
+            and not isinstance(self.info.get("crc32"), dict)
+        ):
+            why = f"a dense folder whose {SPARSITY_NAME} records no checksums"
+            raise CorruptionError(f"{self.directory}: {why}; re-save the checkpoint")
 
     def layout(self, key: str) -> tuple[str, tuple[int, ...]]:
         """``(dtype name, shape)`` of a stored tensor as the file's header gives them."""

@@ -34,6 +34,10 @@ FIX = "re-save the checkpoint or re-download the file"
 CRC_KEY = "hf_sms_crc32"  # header metadata: {tensor name: CRC-32 of its bytes}
 
 
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 class RawSafetensorsFile:
     """A ``.safetensors`` file whose header is validated; ``layout[key] = (dtype name, shape, begin, end)``."""
 
@@ -50,7 +54,9 @@ class RawSafetensorsFile:
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"{path} has a corrupted safetensors header ({e}); {FIX}") from None
         self.data_start = 8 + n
-        self.metadata = header.pop("__metadata__", None) or {}
+        self.metadata = header.pop("__metadata__", None) or {} if isinstance(header, dict) else None
+        if not isinstance(self.metadata, dict) or not all(isinstance(v, str) for v in self.metadata.values()):
+            raise ValueError(f"{path} has a corrupted safetensors header (its metadata is not text); {FIX}")
         try:  # CRC-32 of every tensor hf-sms stored as it is (an encoded tensor's index holds its own)
             self.crcs = json.loads(self.metadata.get(CRC_KEY, "{}"))
             assert isinstance(self.crcs, dict) and all(isinstance(v, int) for v in self.crcs.values())
@@ -63,6 +69,8 @@ class RawSafetensorsFile:
                 itemsize = DTYPE_SIZES[dtype]
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"{path}: entry {key!r} is malformed or has an unsupported dtype; {FIX}") from None
+            if not all(_count(d) for d in (*shape, begin, end)):  # a float, a bool or a negative number
+                raise ValueError(f"{path}: entry {key!r} has a shape or offsets that are not counts; {FIX}")
             if end - begin != math.prod(shape) * itemsize or begin < 0:
                 raise ValueError(f"{path}: entry {key!r} has a size that does not match its shape; {FIX}")
             if self.data_start + end > size:
