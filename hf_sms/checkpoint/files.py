@@ -106,21 +106,12 @@ class CheckpointFiles:
         return self._where[key].read_bytes(key)
 
     def _check_format(self) -> None:
-        """The weight files are of the format ``sparsity.json`` names: bitmask files say so in their header, a dense
-        folder of version 2 records its checksums (else a flipped byte would load unnoticed)."""
-        fmt = (self.info or {}).get("format")
-        if fmt == "bitmask" and not all(f.metadata.get("hf_sms", "").startswith("bitmask-v") for f in self.files):
-            why = f"{SPARSITY_NAME} says bitmask but the weights are not hf-sms bitmask files"
-            raise CorruptionError(f"{self.directory}: {why}; re-save the checkpoint")
-        version = (self.info or {}).get("hf_sms_format_version", 1)
-        if (
-            fmt == "dense"
-            and isinstance(version, int)
-            and version >= 2
-            and not isinstance(self.info.get("crc32"), dict)
-        ):
-            why = f"a dense folder whose {SPARSITY_NAME} records no checksums"
-            raise CorruptionError(f"{self.directory}: {why}; re-save the checkpoint")
+        """A version-2 folder's weight files are of the format ``sparsity.json`` names: bitmask files say so in their
+        header; a dense folder's tensors have their checksums (in ``sparsity.json`` or the files' headers), else a
+        flipped byte would load unnoticed."""
+        problem = format_problem(self.info, self.files)
+        if problem:
+            raise CorruptionError(f"{self.directory}: {problem}; re-save the checkpoint")
 
     def layout(self, key: str) -> tuple[str, tuple[int, ...]]:
         """``(dtype name, shape)`` of a stored tensor as the file's header gives them."""
@@ -145,3 +136,16 @@ class CheckpointFiles:
                 f"the weights of {self.directory} do not have the mask recorded in {SPARSITY_NAME}: weight files and "
                 "metadata come from different saves or a file is corrupted. Re-save the checkpoint."
             )
+
+
+def format_problem(info: dict | None, files: list[RawSafetensorsFile]) -> str | None:
+    """Why a folder of format version 2 or later is not of the format its record names (``None``: it is)."""
+    version = (info or {}).get("hf_sms_format_version", 1)
+    if not isinstance(version, int) or version < 2:
+        return None  # older folders: the readers' own checks
+    fmt = info.get("format")
+    if fmt == "bitmask" and not all(str(f.metadata.get("hf_sms", "")).startswith("bitmask-v") for f in files):
+        return f"{SPARSITY_NAME} says bitmask but the weights are not hf-sms bitmask files"
+    if fmt == "dense" and not isinstance(info.get("crc32"), dict) and not all(f.crcs for f in files):
+        return f"a dense folder whose {SPARSITY_NAME} and weight files record no checksums"
+    return None

@@ -37,10 +37,10 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .codec import decode_tensor
 from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
-from .files import CheckpointFiles
+from .files import CheckpointFiles, format_problem
 from .folder import checkpoint_file, read_sparsity, weight_files
 from .inspect import verify_checkpoint
-from .integrity import check_manifest, require_manifest
+from .integrity import CorruptionError, check_manifest, require_manifest
 from .masks import MaskStats, eligible
 from .prefetch import Prefetcher
 from .safetensors_io import SafetensorsFile
@@ -161,6 +161,9 @@ class SparseCheckpointQuantizer(HfQuantizer):
                 require_manifest(folder, info)
                 check_manifest(folder, info, weight_files(folder))
             self._files = files = [SafetensorsFile(p) for p in paths]
+            problem = format_problem(info, files) if folder is not None else None
+            if problem:  # e.g. a dense folder relabelled bitmask: its bytes would load unchecked
+                raise CorruptionError(f"{folder}: {problem}; re-save the checkpoint")
             self._prefetch = Prefetcher(files)
         plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
         self._plan = (build_glob_alternation(list(plan)), plan) if plan else None
