@@ -324,7 +324,7 @@ class SparseSoupMixin:
                 model = merged_copy(self.model) if self.adapted else self.model
                 save_sparse(model, folder, processing_class=self.processing_class)
                 merge_trainer_card(folder, card)
-                if self.args.plan.units == "units":  # the run loop saves the smaller model; here it is one call away
+                if self.args.plan.cuts_units:  # the run loop saves the smaller model; here it is one call away
                     structure = self.args.plan.describe().get("structure")
                     logger.warning(
                         "[hf-sms] structure=%r: %s holds the pruned model with its removed units as zeros, not the "

@@ -36,6 +36,11 @@ class PruningPlan:
         """What a target sparsity counts: ``"weights"`` or ``"units"``."""
         return self.structure.units
 
+    @property
+    def cuts_units(self) -> bool:
+        """Whole units are pruned: the final soup is a smaller model (the plan's word for it, asked nowhere else)."""
+        return self.units == "units"
+
     def describe(self) -> dict:
         """The plan as names (run folders, sparsity.json, the card)."""
         out = {"allocation": self.allocation, "structure": self.structure.name, "criterion": self.criterion}
