@@ -483,3 +483,20 @@ def test_a_dense_folder_whose_record_says_bitmask_is_refused(tmp_path):
     (tmp_path / "d" / "sparsity.json").write_text(json.dumps(info))
     with pytest.raises(ValueError, match="says bitmask but the weights are not hf-sms bitmask files"):
         load_sparse(str(tmp_path / "d"), model=make_cnn())
+
+
+# -- a requested unit kind no group can take (item 5) ---------------------------------------------------------------
+def test_neurons_and_heads_on_bart_is_refused_unless_heads_are_optional():
+    from zoo import ZOO
+
+    from hf_sms import compute_masks, resolve_pruning
+
+    entry = ZOO["bart"]  # its config cannot state fewer heads (head size is d_model / heads)
+    model, batch = entry.make(), entry.batch()
+    with pytest.raises(ValueError, match=r"no heads this run can prune .* structure='neurons\+heads\?'"):
+        resolve_pruning(structure="neurons+heads").check(model, 0.5, batch)
+    plan = resolve_pruning(structure="neurons+heads?")
+    plan.check(model, 0.5, batch)  # allowed: heads where the config can state them, here none
+    masks = compute_masks(model, 0.5, structure="neurons+heads?", example_inputs=batch)
+    assert any(not bool(m.all()) for m in masks.values())  # the neurons are pruned
+    assert plan.describe()["structure"] == "neurons+heads?"  # the run records what it was allowed

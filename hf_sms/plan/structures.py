@@ -121,9 +121,9 @@ class Units(Structure):
 
     units = "units"
 
-    def __init__(self, kinds: tuple[str, ...]):
-        self.kinds = tuple(kinds)
-        self.name = "+".join(self.kinds)
+    def __init__(self, kinds: tuple[str, ...], optional: tuple[str, ...] = ()):
+        self.kinds, self.optional = tuple(kinds), tuple(optional)
+        self.name = "+".join(k + "?" * (k in self.optional) for k in self.kinds)
 
     def groups(self, model: nn.Module, batch, fit_config: bool = True) -> list[UnitGroup]:
         """The unit groups of ``model`` this structure prunes: with ``fit_config``, those its family's config can
@@ -176,6 +176,7 @@ class Units(Structure):
         groups = self.groups(model, batch, plan.fit_config)
         if not groups:
             raise ValueError(self.nothing(model, batch, plan.fit_config))
+        self._check_kinds(model, batch, plan, groups)
         for g in groups:
             if keep_count(g.n_units, target, g.n_units) < 1:
                 raise ValueError(
@@ -194,6 +195,30 @@ class Units(Structure):
                 )
             kept = f"{len(whole)} of {len(groups)} groups"
             logger.warning("[hf-sms] unit_multiple=%d keeps every unit of %s: %s", plan.unit_multiple, kept, names)
+
+    def _check_kinds(self, model, batch, plan, groups) -> None:
+        """A requested kind no group can take is refused (``neurons+heads`` on a model whose config cannot state its
+        heads would prune neurons only), unless marked optional (``neurons+heads?``); a kind the config states only
+        in part is logged."""
+        if len(self.kinds) < 2:
+            return  # a single kind with no group is refused by nothing()
+        found = trace_units(model, example_batch(model, batch)).groups(self.kinds)
+        for kind in self.kinds:
+            kept, there = sum(g.kind == kind for g in groups), sum(g.kind == kind for g in found)
+            if kept == 0 and kind not in self.optional:
+                why = "its config cannot state fewer of them" if there else "the model has none"
+                raise ValueError(
+                    f"structure={self.name!r}: {type(model).__name__} has no {kind} this run can prune ({why}), so it "
+                    f"would prune {'+'.join(k for k in self.kinds if k != kind)} only. Use structure="
+                    f"{'+'.join(k for k in self.kinds if k != kind)!r}, allow it with structure="
+                    f"{'+'.join(k + '?' * (k == kind) for k in self.kinds)!r}, or fit_config=False (a smaller model "
+                    "only hf-sms rebuilds)"
+                )
+            if 0 < kept < there:
+                why = "the config states only those"
+                logger.warning(
+                    "[hf-sms] structure=%r prunes %d of the %d groups of %s (%s)", self.name, kept, there, kind, why
+                )
 
     def rounding(self, plan, model, masks, batch):
         """One unit's weights per group (the allocation rounds per group)."""
@@ -272,11 +297,12 @@ def _parse(name):
     nm = parse_n_of_m(name)
     if nm is not None:
         return NOfM(*nm)
-    if "+" in name:
+    if "+" in name:  # "neurons+heads?": heads where the model has them (a kind marked ? may find no groups)
         parts = [p.strip() for p in name.split("+")]
-        if any(p not in KINDS for p in parts) or len(set(parts)) != len(parts):
+        kinds = [p.removesuffix("?") for p in parts]
+        if any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds) or all(p.endswith("?") for p in parts):
             raise ValueError(f"structure={name!r} joins unit structures, each once, e.g. 'neurons+heads'")
-        return Units(tuple(parts))
+        return Units(tuple(kinds), optional=tuple(k for k, p in zip(kinds, parts) if p.endswith("?")))
     return None
 
 
