@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterable, Mapping
 
@@ -16,7 +17,8 @@ def has_batchnorm(model: nn.Module) -> bool:
 
 
 def forward_batch(model: nn.Module, batch, device: torch.device | None = None, keep_labels: bool = False):
-    """Run ``model`` on one batch: a dict, a tuple/list (first item) or a tensor.
+    """Run ``model`` on one batch: a dict, a tuple/list (all of it where ``forward`` takes that many positional
+    inputs, else its first item, the inputs of an ``(inputs, labels)`` pair) or a tensor.
 
     ``labels`` are dropped from dicts unless ``keep_labels`` (seq2seq models derive decoder inputs from them).
     """
@@ -26,8 +28,26 @@ def forward_batch(model: nn.Module, batch, device: torch.device | None = None, k
             kwargs.pop("labels", None)
         return model(**kwargs)
     if isinstance(batch, (tuple, list)):
-        batch = batch[0]
+        items = [t.to(device) if device is not None and torch.is_tensor(t) else t for t in batch]
+        if _takes_positional(model, len(items)):  # forward(x, y): the batch is its inputs
+            return model(*items)
+        batch = batch[0]  # (inputs, labels), as torchvision's datasets give them
     return model(batch.to(device) if device is not None else batch)
+
+
+def _takes_positional(model: nn.Module, n: int) -> bool:
+    """Whether ``model.forward`` takes ``n`` (> 1) positional arguments (all of them required, or ``*args``)."""
+    if n < 2:
+        return False
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    return len(required) >= n or (len(required) < n <= len(positional) and len(required) > 1)
 
 
 @torch.no_grad()

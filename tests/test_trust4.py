@@ -500,3 +500,42 @@ def test_neurons_and_heads_on_bart_is_refused_unless_heads_are_optional():
     masks = compute_masks(model, 0.5, structure="neurons+heads?", example_inputs=batch)
     assert any(not bool(m.all()) for m in masks.values())  # the neurons are pruned
     assert plan.describe()["structure"] == "neurons+heads?"  # the run records what it was allowed
+
+
+# -- following the advice, tuple batches, meta models (item 6) ---------------------------------------------------
+class TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, shift):
+        return self.b(torch.relu(self.a(x))) + shift
+
+
+def test_a_tuple_batch_reaches_a_forward_that_takes_it_whole_and_a_meta_model_is_refused_for_why():
+    from hf_sms import compute_masks, shrink
+    from hf_sms.pruning.masks import apply_masks
+
+    model, batch = TwoInputs(), (torch.randn(4, 8), torch.zeros(4, 4))
+    masks = compute_masks(model, 0.5, structure="neurons", example_inputs=batch, fit_config=False)
+    apply_masks(model, masks)
+    smaller = shrink(model, batch, fit_config=False)
+    torch.testing.assert_close(smaller(*batch), model(*batch))
+    pair = (torch.randn(4, 8), torch.zeros(4, dtype=torch.long))  # (inputs, labels) for a one-input forward
+    compute_masks(Flex(False), 0.5, structure="neurons", example_inputs=pair, fit_config=False)
+    with torch.device("meta"):
+        meta = Flex(False)
+    with pytest.raises(ValueError, match="parameters on the meta device"):
+        compute_masks(meta, 0.5, structure="neurons", example_inputs=torch.randn(2, 8))
+
+
+def test_following_the_refusals_advice_ends_in_a_smaller_model_not_a_torch_error():
+    from hf_sms import compute_masks, shrink
+    from hf_sms.pruning.masks import apply_masks
+
+    model, x = Flex(False), torch.randn(4, 8)
+    model.up.register_forward_hook(lambda m, i, o: o * 2)  # a hooked plain MLP, re-run with fit_config=False
+    apply_masks(model, compute_masks(model, 0.5, structure="neurons", example_inputs=x, fit_config=False))
+    smaller = shrink(model, x, fit_config=False)
+    assert sum(p.numel() for p in smaller.parameters()) < sum(p.numel() for p in model.parameters())
+    torch.testing.assert_close(smaller(x), model(x))

@@ -12,7 +12,7 @@ from transformers.trainer_utils import has_length
 
 from ..batchnorm import forward_batch
 from ..data import peek
-from ..pruning.prunable import accepts_labels, prunable_tensors, unfused_attention
+from ..pruning.prunable import accepts_labels, check_weights_loaded, prunable_tensors, unfused_attention
 from ..shrinking.shrink import parameter_count
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,7 @@ def check_model(args, model, example: Callable[[], object] | None = None, warn: 
     that fits no layer); with ``warn`` (the main process), warn about weights no forward uses
     (:func:`warn_unused_weights`) and say how much smaller a unit run's final soup will be (:func:`preview_shrink`).
     Both skip models above 1B parameters: a backward or a copy costs more than a log line is worth there."""
-    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if meta:
-        raise ValueError(
-            f"{type(model).__name__} has parameters on the meta device (e.g. {meta[:3]}): built without weights "
-            "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
-        )
+    check_weights_loaded(model)
     batch = example() if example is not None else None
     args.plan.check(model, args.target_sparsity, batch)
     if warn and batch is not None and parameter_count(model) <= 1e9:

@@ -12,7 +12,7 @@ from torch import nn
 from ..pruning.allocations import get_allocation, parse_n_of_m
 from ..pruning.criteria import CriterionContext, criterion_scores
 from ..pruning.masks import PruningStep, apply_masks, check_sparsity, validate_masks
-from ..pruning.prunable import Masks, call_order_uses
+from ..pruning.prunable import Masks, call_order_uses, check_weights_loaded
 from ..registry import ALLOCATIONS, CRITERIA
 from .structures import Final, Structure, get_structure
 
@@ -52,6 +52,7 @@ class PruningPlan:
     def masks(self, model: nn.Module, sparsity: float, masks: Masks | None = None, example_inputs=None) -> Masks:
         """Masks for ``model`` at ``sparsity`` (see :func:`compute_masks`)."""
         check_sparsity(sparsity)
+        check_weights_loaded(model)  # the reason, not torch's "Cannot copy out of meta tensor"
         tensors = list(validate_masks(model, masks or {}).values())
         if not tensors:
             raise ValueError("model has no prunable weights (linear, convolution or embedding layers)")

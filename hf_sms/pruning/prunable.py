@@ -92,6 +92,16 @@ def _registration_uses(model: nn.Module) -> dict[int, list[Use]]:
     return uses
 
 
+def check_weights_loaded(model: nn.Module) -> None:
+    """Raise, with the reason, where ``model`` has parameters on the meta device (built without weights)."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device (e.g. {meta[:3]}): built without weights "
+            "(init_empty_weights, device_map='meta'); load its weights first, e.g. with from_pretrained"
+        )
+
+
 def prunable_tensors(model: nn.Module) -> list[PrunableTensor]:
     """The prunable weights of ``model`` in module order, tied weights counted once.
 
