@@ -539,3 +539,24 @@ def test_following_the_refusals_advice_ends_in_a_smaller_model_not_a_torch_error
     smaller = shrink(model, x, fit_config=False)
     assert sum(p.numel() for p in smaller.parameters()) < sum(p.numel() for p in model.parameters())
     torch.testing.assert_close(smaller(x), model(x))
+
+
+# -- a smaller model off the traced path (item 2) -------------------------------------------------------------------
+def test_a_unit_reaching_a_train_only_head_is_refused_not_shrunk_into_a_model_that_fails_in_train_mode():
+    import torchvision
+
+    from hf_sms import compute_masks, shrink
+    from hf_sms.pruning.masks import apply_masks
+
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(num_classes=4, aux_logits=True, init_weights=False)  # aux heads: train only
+    x = torch.randn(2, 3, 96, 96)
+    apply_masks(model, compute_masks(model, 0.5, structure="filters", example_inputs=x, fit_config=False))
+    with pytest.raises(ValueError, match="fails in train mode at .*aux"):
+        shrink(model, x, fit_config=False)
+    eval_only = torchvision.models.googlenet(num_classes=4, aux_logits=False, init_weights=False)
+    apply_masks(eval_only, compute_masks(eval_only, 0.5, structure="filters", example_inputs=x, fit_config=False))
+    smaller = shrink(eval_only, x, fit_config=False)  # the advice works
+    smaller.train()
+    with torch.no_grad():
+        assert smaller(x).shape == (2, 4)

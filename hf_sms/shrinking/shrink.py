@@ -64,6 +64,61 @@ def eval_output(model: nn.Module, example_inputs) -> torch.Tensor:
         model.train(was_training)
 
 
+@torch.no_grad()
+def train_output(model: nn.Module, example_inputs) -> tuple[torch.Tensor, str | None]:
+    """``model``'s main output in train mode (dropout modules off) and the last module entered, for an error;
+    buffers (BatchNorm statistics) and modes are restored."""
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+    was_training, entered = model.training, [None]
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: entered.__setitem__(0, n)) for n, m in modules]
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.eval()
+    device = next(model.parameters()).device
+    try:  # one seed for both models: stochastic depth and other draws of the same shapes match
+        with unfused_attention(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            out = forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))
+            return _output(out).float(), entered[0]
+    except (RuntimeError, ValueError, IndexError) as e:
+        e.hf_sms_module = entered[0]
+        raise
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+        for n, b in model.named_buffers():
+            b.copy_(saved[n])
+
+
+def _check_train_mode(model: nn.Module, smaller: nn.Module, batch) -> None:
+    """The smaller model runs in train mode where the pruned one does, with outputs of the same shape: units are
+    traced in eval mode, so a channel that reaches code only training runs (an auxiliary head, a train-only branch)
+    is not seen there. Values are not compared: dropout inside functions (attention weights) draws at each width's
+    shapes."""
+    try:
+        expected, _ = train_output(model, batch)
+    except (RuntimeError, ValueError, IndexError):
+        return  # the pruned model itself cannot run this batch in train mode (BatchNorm on one item): nothing to hold
+    try:
+        got, _ = train_output(smaller, batch)
+    except (RuntimeError, ValueError, IndexError) as e:
+        where = getattr(e, "hf_sms_module", None)
+        raise ValueError(
+            f"shrink: the smaller {type(model).__name__} runs in eval mode but fails in train mode at "
+            f"{where or 'a layer'} ({str(e)[:160]}): a unit's channels reach code only training runs (an auxiliary "
+            "head, a train-only branch), which the eval-mode trace cannot see. Build the model without it (e.g. "
+            "aux_logits=False) or prune unstructured"
+        ) from None
+    if expected.shape != got.shape:  # values are not compared: functional dropout draws differ between widths
+        raise ValueError(
+            f"shrink: the smaller {type(model).__name__} gives outputs of another shape in train mode: a branch only "
+            "training runs reads the removed units; build the model without it or prune unstructured"
+        )
+
+
 def _check_arguments(model: nn.Module, rtol, multiple_of) -> None:
     if not (isinstance(rtol, (int, float)) and math.isfinite(rtol) and rtol > 0):
         raise ValueError(f"shrink: rtol={rtol!r} must be a positive number (the largest relative output change)")
@@ -155,6 +210,7 @@ def shrink(
             f"shrink: the smaller {type(model).__name__} computes other outputs than the pruned one; a layer "
             "does not keep its units independent. Please report it with the model's class"
         )
+    _check_train_mode(model, smaller, batch)
     return smaller
 
 
