@@ -78,8 +78,15 @@ common = dict(use_cpu=True, disable_tqdm=True, report_to="none", per_device_trai
 t0 = time.time()
 Trainer(
     dense,
-    TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=cli.pretrain_steps, learning_rate=3e-3,
-                      lr_scheduler_type="cosine", warmup_steps=50, weight_decay=0.0, **common),  # fmt: skip
+    TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=cli.pretrain_steps,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=50,
+        weight_decay=0.0,
+        **common,
+    ),  # fmt: skip
     train_dataset=train,
 ).train()
 metric = NegativePerplexity(batch_size=32)
