@@ -323,3 +323,25 @@ def test_a_model_without_linears_is_refused_for_lora(tmp_path):
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
     with pytest.raises(ValueError, match="bias_norm"):
         make_replica(conv, lora_args("mask_lora"))
+
+
+def test_merge_adapters_keeps_the_zeros_of_a_head_peft_trains_in_full():
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)  # fmt: skip
+    model = LlamaForSequenceClassification(config)
+    masks = compute_masks(model, 0.5)
+    apply_masks(model, masks)
+    assert "score.weight" in masks
+    peft_model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, target_modules="all-linear"))
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(3):  # the head (modules_to_save) trains dense
+        ids = torch.randint(1, 64, (4, 8))
+        peft_model(input_ids=ids, labels=torch.tensor([0, 1, 2, 0])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    merged, report = merge_adapters(peft_model, return_report=True)
+    assert type(merged) is LlamaForSequenceClassification and revived(merged, masks) == 0
+    assert report["dropped_entries"] > 0
