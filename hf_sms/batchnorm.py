@@ -36,7 +36,7 @@ def forward_batch(model: nn.Module, batch, device: torch.device | None = None, k
 
 
 def _takes_positional(model: nn.Module, n: int) -> bool:
-    """Whether ``model.forward`` takes ``n`` (> 1) positional arguments (all of them required, or ``*args``)."""
+    """Whether ``model.forward`` takes ``n`` (> 1) positional arguments, two or more of them required (or ``*args``)."""
     if n < 2:
         return False
     try:
@@ -47,7 +47,7 @@ def _takes_positional(model: nn.Module, n: int) -> bool:
         return True
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
-    return len(required) >= n or (len(required) < n <= len(positional) and len(required) > 1)
+    return n <= len(positional) and len(required) > 1  # forward(x, y=None) keeps taking (inputs, labels) apart
 
 
 @torch.no_grad()

@@ -387,6 +387,26 @@ def _readers(folder, tmp_path):
     }
 
 
+def _every_reader_refuses(folder, tmp_path, match: str) -> None:
+    """Every reader raises ``match``; ``hf-sms inspect`` exits 1 (corrupted)."""
+    for name, read in _readers(folder, tmp_path).items():
+        if name == "inspect":
+            assert read() == 1, name
+        else:
+            with pytest.raises(ValueError, match=match):
+                read()
+
+
+def _rebuild_manifest(folder) -> None:
+    """Record the folder's files as they are now: a manifest that agrees with a rewritten file."""
+    from hf_sms.checkpoint.folder import weight_files
+    from hf_sms.checkpoint.integrity import weight_manifest
+
+    info = json.loads((folder / "sparsity.json").read_text())
+    info["files"] = weight_manifest(str(folder), weight_files(str(folder)))
+    (folder / "sparsity.json").write_text(json.dumps(info))
+
+
 @pytest.mark.parametrize("how", ["deleted", "renamed"])
 def test_a_folder_without_its_manifest_is_refused_by_every_reader(tmp_path, how):
     folder = _t5_folder(tmp_path / "t5")
@@ -395,29 +415,14 @@ def test_a_folder_without_its_manifest_is_refused_by_every_reader(tmp_path, how)
     if how == "renamed":
         info["filez"] = files
     (folder / "sparsity.json").write_text(json.dumps(info))
-    for name, read in _readers(folder, tmp_path).items():
-        if name == "inspect":
-            assert read() == 1, name
-        else:
-            with pytest.raises(ValueError, match="records no weight files"):
-                read()
+    _every_reader_refuses(folder, tmp_path, "records no weight files")
 
 
 def test_weights_of_another_save_with_a_rebuilt_manifest_are_refused_by_their_mask(tmp_path):
-    from hf_sms.checkpoint.folder import weight_files
-    from hf_sms.checkpoint.integrity import weight_manifest
-
     folder, other = _t5_folder(tmp_path / "t5"), _t5_folder(tmp_path / "other", seed=1)
     (folder / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
-    info = json.loads((folder / "sparsity.json").read_text())
-    info["files"] = weight_manifest(str(folder), weight_files(str(folder)))  # the manifest agrees with the files
-    (folder / "sparsity.json").write_text(json.dumps(info))
-    for name, read in _readers(folder, tmp_path).items():
-        if name == "inspect":
-            assert read() == 1, name
-        else:
-            with pytest.raises(ValueError, match="do not have the mask recorded"):
-                read()
+    _rebuild_manifest(folder)
+    _every_reader_refuses(folder, tmp_path, "do not have the mask recorded")
 
 
 def test_a_folder_saved_before_the_manifest_loads_with_a_warning(tmp_path, caplog):
@@ -450,8 +455,6 @@ def _rewrite_header(path, edit) -> None:
 
 @pytest.mark.parametrize("bad", [2.0, -2, True])
 def test_a_crafted_shape_with_a_rebuilt_manifest_is_refused_not_verified(tmp_path, bad):
-    from hf_sms.checkpoint.folder import weight_files
-    from hf_sms.checkpoint.integrity import weight_manifest
     from hf_sms.cli import main
 
     folder = _t5_folder(tmp_path / "t5")
@@ -465,9 +468,7 @@ def test_a_crafted_shape_with_a_rebuilt_manifest_is_refused_not_verified(tmp_pat
         header[key]["shape"] = [bad, n] if bad is True else [bad, int(n / bad)]
 
     _rewrite_header(path, edit)
-    info = json.loads((folder / "sparsity.json").read_text())
-    info["files"] = weight_manifest(str(folder), weight_files(str(folder)))
-    (folder / "sparsity.json").write_text(json.dumps(info))
+    _rebuild_manifest(folder)
     assert main(["inspect", str(folder)]) == 2  # cannot be read as a checkpoint: never "verified"
     assert main(["convert", str(folder), "-o", str(tmp_path / "c"), "--format", "dense"]) == 2  # no traceback
 

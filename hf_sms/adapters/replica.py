@@ -28,11 +28,10 @@ from ..pruning.prunable import prunable_tensors
 from ..registry import REPLICA_PARAMS, SOUPS
 from ..seeding import derive_seed
 from ..soup.averaging import average_tensors
-from .lora import MaskLoraLinear, gate_of, lora_config
+from .lora import gate_of, lora_config
 from .merge import merge_adapters, plain_name
 
 State = dict[str, torch.Tensor]
-LORA_MARK = ".lora_"  # every peft LoRA parameter's name holds it (lora_A, lora_B, lora_embedding_*)
 
 
 @dataclass(frozen=True)
@@ -112,11 +111,6 @@ def kind_of(args) -> ReplicaParams:
     return REPLICA_PARAMS.get(getattr(args, "replica_params", "all"))
 
 
-def has_adapters(model: nn.Module) -> bool:
-    """``model`` holds peft LoRA layers (injected by hf-sms, or a user's ``PeftModel``)."""
-    return any(isinstance(m, LoraLayer) for m in model.modules())
-
-
 def lora_targets(model: nn.Module) -> list[str]:
     """The default LoRA targets: every prunable ``nn.Linear`` (full module names)."""
     modules = dict(model.named_modules())
@@ -189,13 +183,10 @@ def _lora_layers(model: nn.Module):
 
 
 @torch.no_grad()
-def layer_update(layer, adapter: str = "default", weights: Sequence[float] = (1.0,), states=None, prefix=""):
-    """The update of one LoRA layer as its merge writes it (dense, the base's shape), float32; with ``states`` (one
-    trained state per replica) the weighted sum of theirs."""
+def layer_update(layer, states: Sequence[State], weights: Sequence[float], prefix: str, adapter: str = "default"):
+    """The weighted sum of the replicas' updates of one MaskLoRA / ScaleLoRA layer (``states``: one trained state
+    per replica) as the merge writes it: dense, the base's shape, float32."""
     base = layer.get_base_layer().weight
-    if states is None:
-        delta = layer.get_delta_weight(adapter)
-        return delta.float() if isinstance(layer, MaskLoraLinear) else delta.float() * (base != 0)
     product = None
     for w, state in zip(weights, states):
         a = state[f"{prefix}.lora_A.{adapter}.weight"].to(base.device, torch.float32)
@@ -205,25 +196,27 @@ def layer_update(layer, adapter: str = "default", weights: Sequence[float] = (1.
 
 
 @torch.no_grad()
-def soup_of_states(start: nn.Module, states: Sequence[State], weights: Sequence[float], args):
+def soup_of_states(start: nn.Module, states: Sequence[State], weights: Sequence[float], args, template=None):
     """The soup of subset replicas of ``start`` (made with ``args``): a plain copy of ``start`` plus the weighted sum
-    of their updates (``weights`` sum to 1), layer by layer; pruned weights stay exactly zero."""
+    of their updates (``weights`` sum to 1), layer by layer; pruned weights stay exactly zero. ``template``: a replica
+    of ``start`` made with ``args`` (built here if not given; a caller making many soups builds it once)."""
     kind, model = kind_of(args), copy.deepcopy(start)
     params = dict(model.named_parameters())
     if kind.adapters is None:  # the trained tensors themselves: their weighted mean (float64 sums, as every soup)
         for name in states[0]:
             params[name].copy_(average_tensors([s[name] for s in states], weights))
         return model
-    for prefix, layer in _lora_layers(make_replica(start, args)):
-        delta = layer_update(layer, weights=weights, states=states, prefix=prefix)
+    for prefix, layer in _lora_layers(template or make_replica(start, args)):
+        delta = layer_update(layer, states, weights, prefix)
         weight = params[plain_name(prefix) + ".weight"]
         weight.add_(delta.to(weight.dtype) * (weight != 0))  # zeros stay exactly zero whatever the sum's rounding
     return model
 
 
-def replica_distances(start: nn.Module, states: Sequence[State], args) -> list[float]:
+def replica_distances(start: nn.Module, states: Sequence[State], args, template=None) -> list[float]:
     """L2 distance between every pair of replicas' weights (i < j order), from their trained states: the base is
-    shared, so only the updates differ; one dense layer update at a time."""
+    shared, so only the updates differ; one dense layer update at a time (``template``: as in
+    :func:`soup_of_states`)."""
     n, kind = len(states), kind_of(args)
     sq = {(i, j): 0.0 for i in range(n) for j in range(i + 1, n)}
     if kind.adapters is None:
@@ -231,8 +224,8 @@ def replica_distances(start: nn.Module, states: Sequence[State], args) -> list[f
             for i, j in sq:
                 sq[i, j] += float((states[i][name].double() - states[j][name].double()).square().sum())
     else:
-        for prefix, layer in _lora_layers(make_replica(start, args)):
-            deltas = [layer_update(layer, states=[s], prefix=prefix) for s in states]
+        for prefix, layer in _lora_layers(template or make_replica(start, args)):
+            deltas = [layer_update(layer, [s], [1.0], prefix) for s in states]
             for i, j in sq:
                 sq[i, j] += float((deltas[i].double() - deltas[j].double()).square().sum())
     return [v**0.5 for v in sq.values()]

@@ -10,7 +10,7 @@ import os
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..atomic import atomic_path
 from ..pruning.masks import PruningStep
@@ -36,15 +36,21 @@ def save_masks(masks: Masks, directory: str, step: PruningStep | None = None) ->
 
 def load_masks(directory: str) -> Masks | None:
     """The masks of a trainer checkpoint, checked against the CRC-32 of each recorded when they were saved."""
+    read = _read_checked(directory)
+    return read[1] if read is not None else None
+
+
+def _read_checked(directory: str) -> tuple[str, Masks, dict] | None:
+    """``(path, masks, metadata)`` of the folder's mask file, read once and checked; ``None`` if it has none."""
     path = checkpoint_file(directory, MASKS_NAME)  # a regular file inside the folder, or None
     if path is None:
         return None
-    masks = load_file(path)
     with safe_open(path, "pt") as f:
-        recorded = (f.metadata() or {}).get(CRC_KEY)
+        meta, masks = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    recorded = meta.get(CRC_KEY)
     if recorded is None:
         logger.warning("[hf-sms] %s has no checksums (written before hf-sms recorded them): loaded unchecked", path)
-        return masks
+        return path, masks, meta
     try:
         crcs = json.loads(recorded)
     except json.JSONDecodeError:
@@ -57,7 +63,7 @@ def load_masks(directory: str) -> Masks | None:
             f"{path}: masks {bad[:3]} differ from their checksums; the file is corrupted (re-train or resume from an "
             "earlier checkpoint)"
         )
-    return masks
+    return path, masks, meta
 
 
 def _fraction(meta: dict, key: str, path: str) -> float:
@@ -72,12 +78,10 @@ def _fraction(meta: dict, key: str, path: str) -> float:
 
 def load_pruning_step(directory: str, fallback: PruningStep) -> PruningStep | None:
     """The masks saved in ``directory`` with the step's ``d`` and ``q`` (``fallback``'s where not recorded)."""
-    masks = load_masks(directory)
-    if masks is None:
+    read = _read_checked(directory)
+    if read is None:
         return None
-    with safe_open(os.path.join(directory, MASKS_NAME), "pt") as f:
-        meta = f.metadata() or {}
+    path, masks, meta = read
     if "norm_fraction" not in meta:
         return PruningStep(masks, fallback.norm_fraction, fallback.phase_fraction)
-    path = os.path.join(directory, MASKS_NAME)
     return PruningStep(masks, _fraction(meta, "norm_fraction", path), _fraction(meta, "phase_fraction", path))

@@ -37,10 +37,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .codec import decode_tensor
 from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
-from .files import CheckpointFiles, format_problem
-from .folder import checkpoint_file, read_sparsity, weight_files
+from .files import CheckpointFiles
+from .folder import checkpoint_file, read_sparsity
 from .inspect import verify_checkpoint
-from .integrity import CorruptionError, check_manifest, require_manifest
 from .masks import MaskStats, eligible
 from .prefetch import Prefetcher
 from .safetensors_io import SafetensorsFile
@@ -154,16 +153,10 @@ class SparseCheckpointQuantizer(HfQuantizer):
                 for p in paths:
                     checkpoint_file(root, os.path.relpath(os.path.normpath(p), os.path.normpath(root)))
             # the files and every tensor's name are the ones sparsity.json records (a Hub download: its snapshot)
+            # and of the format it names; CheckpointFiles checks all of it, as for every other reader
             folder = root if root and os.path.isdir(root) else (os.path.dirname(paths[0]) if paths else None)
-            self._folder = folder
-            if folder is not None:
-                info = read_sparsity(folder)
-                require_manifest(folder, info)
-                check_manifest(folder, info, weight_files(folder))
+            self._checkpoint = CheckpointFiles(folder) if folder is not None else None
             self._files = files = [SafetensorsFile(p) for p in paths]
-            problem = format_problem(info, files) if folder is not None else None
-            if problem:  # e.g. a dense folder relabelled bitmask: its bytes would load unchecked
-                raise CorruptionError(f"{folder}: {problem}; re-save the checkpoint")
             self._prefetch = Prefetcher(files)
         plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
         self._plan = (build_glob_alternation(list(plan)), plan) if plan else None
@@ -211,15 +204,15 @@ class SparseCheckpointQuantizer(HfQuantizer):
             )
         return model
 
-    _folder: str | None = None
+    _checkpoint: CheckpointFiles | None = None
 
     @torch.no_grad()
     def _check_mask_hash(self, model) -> None:
         """The loaded weights have the mask ``sparsity.json`` records (as ``load_sparse`` checks): weight files and
         record from different saves are refused, not loaded."""
-        if self._folder is None:
+        files = self._checkpoint
+        if files is None:
             return
-        files = CheckpointFiles(self._folder)
         state = model.state_dict()
         names = files.hashed_names(n for n, t in state.items() if eligible(n, t.shape, t.dtype))
         if not names or any(n not in state for n in names):  # names transformers converted: not comparable here

@@ -154,19 +154,21 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
     val = ctx.gather_metric(candidates, ctx.eval_dataset)
     result, kept = None, []
     if spec.soup is not None and spec.shared and not kind_of(ctx.args).full:  # souped from the trained subsets
-        n, template = len(spec.hparams), trained_state(make_replica(spec.start, ctx.args))
-        states = world.all_candidates({i: trained_state(c) for i, c in candidates.items()}, n, template)
+        n, template = len(spec.hparams), make_replica(spec.start, ctx.args)  # shapes and layers, built once
+        every = world.all_candidates({i: trained_state(c) for i, c in candidates.items()}, n, trained_state(template))
+        states = [every[i] for i in range(n)]
         result, weights = subset_soup(
             spec.start,
-            [states[i] for i in range(n)],
+            states,
             spec.soup,
             ctx.args,
             scores=val,
             evaluate=lambda m: ctx.recorder.evaluate(m, ctx.eval_dataset, shared=True),
             recalibrate=ctx.recalibrate,
+            template=template,
         )
         kept = [i for i, w in enumerate(weights) if w]
-        pairwise = replica_distances(spec.start, [states[i] for i in range(n)], ctx.args)
+        pairwise = replica_distances(spec.start, states, ctx.args, template)
         return PhaseResult(result, candidates, val, kept, step, pairwise_l2=pairwise)
     if spec.soup is not None:
         result, weights = soup(

@@ -65,9 +65,9 @@ def eval_output(model: nn.Module, example_inputs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def train_output(model: nn.Module, example_inputs) -> tuple[torch.Tensor, str | None]:
-    """``model``'s main output in train mode (dropout modules off) and the last module entered, for an error;
-    buffers (BatchNorm statistics) and modes are restored."""
+def train_output(model: nn.Module, example_inputs) -> torch.Tensor:
+    """``model``'s main output in train mode (dropout modules off); an error carries the last module entered
+    (``hf_sms_module``); buffers (BatchNorm statistics) and modes are restored."""
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     was_training, entered = model.training, [None]
     modules = [(n, m) for n, m in model.named_modules() if n]
@@ -81,7 +81,7 @@ def train_output(model: nn.Module, example_inputs) -> tuple[torch.Tensor, str | 
         with unfused_attention(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(0)
             out = forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))
-            return _output(out).float(), entered[0]
+            return _output(out).float()
     except (RuntimeError, ValueError, IndexError) as e:
         e.hf_sms_module = entered[0]
         raise
@@ -99,11 +99,11 @@ def _check_train_mode(model: nn.Module, smaller: nn.Module, batch) -> None:
     is not seen there. Values are not compared: dropout inside functions (attention weights) draws at each width's
     shapes."""
     try:
-        expected, _ = train_output(model, batch)
+        expected = train_output(model, batch)
     except (RuntimeError, ValueError, IndexError):
         return  # the pruned model itself cannot run this batch in train mode (BatchNorm on one item): nothing to hold
     try:
-        got, _ = train_output(smaller, batch)
+        got = train_output(smaller, batch)
     except (RuntimeError, ValueError, IndexError) as e:
         where = getattr(e, "hf_sms_module", None)
         raise ValueError(
