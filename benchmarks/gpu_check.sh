@@ -4,6 +4,10 @@
 #
 #   bash benchmarks/gpu_check.sh            # a CUDA GPU (compute capability >= 8.0 for the 2:4 rows)
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: checks that every step runs
+#   bash benchmarks/gpu_check.sh f a b      # only these steps, in this order (a lease is short: most wanted first)
+#
+# A failing step does not stop the others (a lease cannot be rerun): the script names the failed steps at its end
+# and exits 1. STEP_TIMEOUT=120 ends any step after 120 s.
 #
 # (a) SparseSoupTrainer vs plain Trainer seconds per step in bf16 on CUDA (target <= 1.02x), and that masks stay
 #     exact after the bf16 autocast steps; (b) the sparse runtime (csr, 2:4 semi_structured) vs dense cuBLAS on
@@ -17,7 +21,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 DRY=0
-[[ "${1:-}" == "--dry-run" ]] && DRY=1
+[[ "${1:-}" == "--dry-run" ]] && DRY=1 && shift
+STEPS=("$@")
+[[ ${#STEPS[@]} == 0 ]] && STEPS=(a b c d e f)
 PY=${PYTHON:-python3}
 "$PY" - <<'EOF'
 import importlib, sys
@@ -31,57 +37,81 @@ OUTDIR=$(mktemp -d)
 trap 'rm -rf "$OUTDIR"' EXIT
 start=$SECONDS
 
-echo "== (a) mask overhead per training step, bf16 =="
-if [[ $DRY == 1 ]]; then
-  "$PY" benchmarks/mask_overhead.py --rounds 1 --steps 2 --warmup 1 --batch-size 8 --threads 1
-else
-  "$PY" benchmarks/mask_overhead.py --device cuda --bf16 --channels 64,128,256,512 --batch-size 128 \
-    --image-size 64 --rounds 6 --steps 30 --warmup 5
-  "$PY" benchmarks/mask_overhead.py --device cuda --bf16 --model t5 --batch-size 32 --seq-len 128 \
-    --optim adamw_torch --optim-args "" --rounds 4 --steps 30 --warmup 5
-fi
-echo "[$((SECONDS - start)) s]"
+step_a() {
+  echo "== (a) mask overhead per training step, bf16 =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/mask_overhead.py --rounds 1 --steps 2 --warmup 1 --batch-size 8 --threads 1
+  else
+    "$PY" benchmarks/mask_overhead.py --device cuda --bf16 --channels 64,128,256,512 --batch-size 128 \
+      --image-size 64 --rounds 6 --steps 30 --warmup 5
+    "$PY" benchmarks/mask_overhead.py --device cuda --bf16 --model t5 --batch-size 32 --seq-len 128 \
+      --optim adamw_torch --optim-args "" --rounds 4 --steps 30 --warmup 5
+  fi
+}
 
-echo "== (b) sparse runtime vs dense =="
-if [[ $DRY == 1 ]]; then
-  "$PY" benchmarks/gpu_runtime.py --dry-run
-else
-  "$PY" benchmarks/gpu_runtime.py
-fi
-echo "[$((SECONDS - start)) s]"
+step_b() {
+  echo "== (b) sparse runtime vs dense =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/gpu_runtime.py --dry-run
+  else
+    "$PY" benchmarks/gpu_runtime.py
+  fi
+}
 
-echo "== (c) a --smoke recipe under accelerate launch =="
-if [[ $DRY == 1 ]]; then
-  "$PY" -m accelerate.commands.launch --cpu --num_processes 1 recipes/t5_wmt16.py --smoke --output_dir "$OUTDIR/smoke"
-else
-  "$PY" -m accelerate.commands.launch --num_processes 1 recipes/image_classification.py --smoke \
-    --output_dir "$OUTDIR/smoke" --use_cpu false --bf16 true
-fi
-"$PY" -m hf_sms.cli table "$OUTDIR/smoke/results.json"
-echo "[$((SECONDS - start)) s]"
+step_c() {
+  echo "== (c) a --smoke recipe under accelerate launch =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" -m accelerate.commands.launch --cpu --num_processes 1 recipes/t5_wmt16.py --smoke --output_dir "$OUTDIR/smoke"
+  else
+    "$PY" -m accelerate.commands.launch --num_processes 1 recipes/image_classification.py --smoke \
+      --output_dir "$OUTDIR/smoke" --use_cpu false --bf16 true
+  fi
+  "$PY" -m hf_sms.cli table "$OUTDIR/smoke/results.json"
+}
 
-echo "== (d) structured: pruned vs shrunk =="
-if [[ $DRY == 1 ]]; then
-  "$PY" benchmarks/structured.py --dry-run --batch 2 --only t5 resnet50
-else
-  "$PY" benchmarks/structured.py --device cuda --dtype bfloat16 --batch 256 --repeats 10 --quick \
-    --only t5 resnet50 maxvit efficientnet
-  "$PY" benchmarks/structured.py --device cuda --dtype bfloat16 --batch 64 --repeats 10 --quick --compile \
-    --only t5 resnet50
-fi
-echo "[$((SECONDS - start)) s]"
+step_d() {
+  echo "== (d) structured: pruned vs shrunk =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/structured.py --dry-run --batch 2 --only t5 resnet50
+  else
+    "$PY" benchmarks/structured.py --device cuda --dtype bfloat16 --batch 256 --repeats 10 --quick \
+      --only t5 resnet50 maxvit efficientnet
+    "$PY" benchmarks/structured.py --device cuda --dtype bfloat16 --batch 64 --repeats 10 --quick --compile \
+      --only t5 resnet50
+  fi
+}
 
-echo "== (e) widths at multiples of 8 =="
-if [[ $DRY == 1 ]]; then
-  "$PY" benchmarks/unit_multiple.py --quick --batch 1
-else
-  "$PY" benchmarks/unit_multiple.py --device cuda --dtype bfloat16 --batch 64
-fi
+step_e() {
+  echo "== (e) widths at multiples of 8 =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/unit_multiple.py --quick --batch 1
+  else
+    "$PY" benchmarks/unit_multiple.py --device cuda --dtype bfloat16 --batch 64
+  fi
+}
 
-echo "== (f) memory of one SMS phase by replica_params (m = 3), bf16 =="
-if [[ $DRY == 1 ]]; then
-  "$PY" benchmarks/replica_memory.py --rounds 1 --hidden 128 --layers 1 --steps 1 --seq 16
-else
-  "$PY" benchmarks/replica_memory.py --device cuda --rounds 1 --hidden 768 --layers 12 --steps 20 --seq 256
+step_f() {
+  echo "== (f) memory of one SMS phase by replica_params (m = 3), bf16 =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/replica_memory.py --rounds 1 --hidden 128 --layers 1 --steps 1 --seq 16
+  else
+    "$PY" benchmarks/replica_memory.py --device cuda --rounds 1 --hidden 768 --layers 12 --steps 20 --seq 256
+  fi
+}
+
+# each step in its own `bash -e` (errexit holds inside it), at most STEP_TIMEOUT seconds (0: no limit)
+export -f step_a step_b step_c step_d step_e step_f
+export DRY PY OUTDIR
+failed=()
+for step in "${STEPS[@]}"; do
+  if ! timeout "${STEP_TIMEOUT:-0}" bash -euo pipefail -c "step_$step"; then
+    failed+=("$step")
+    echo "!! step ($step) failed"
+  fi
+  echo "[$((SECONDS - start)) s]"
+done
+if [[ ${#failed[@]} != 0 ]]; then
+  echo "gpu_check: steps failed: ${failed[*]}"
+  exit 1
 fi
-echo "[$((SECONDS - start)) s] gpu_check done"
+echo "gpu_check done"
