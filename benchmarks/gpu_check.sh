@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one call of under 8 minutes on a lent GPU machine; record what it prints in
+# The prepared GPU check on a lent GPU machine (H200, 2026-11-28: a 100 s, b 37 s, c 40 s, d over 100 s, e 9 s,
+# f 230 s: about 9 minutes, so a 15-minute lease runs it once; pass the wanted steps first); record what it prints in
 # docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny versions of every step (tests/test_gpu_check.py).
 #
 #   bash benchmarks/gpu_check.sh            # a CUDA GPU (compute capability >= 8.0 for the 2:4 rows)
@@ -95,7 +96,7 @@ step_f() {
   if [[ $DRY == 1 ]]; then
     "$PY" benchmarks/replica_memory.py --rounds 1 --hidden 128 --layers 1 --steps 1 --seq 16
   else
-    "$PY" benchmarks/replica_memory.py --device cuda --rounds 1 --hidden 768 --layers 12 --steps 20 --seq 256
+    "$PY" benchmarks/replica_memory.py --device cuda --rounds 1 --hidden 768 --layers 12 --steps 10 --seq 256
   fi
 }
 
