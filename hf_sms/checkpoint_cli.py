@@ -23,7 +23,17 @@ from .shrinking.shrink import dense_shaped
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    info = merge_checkpoints(args.inputs, args.output, args.method, args.format, args.overwrite, args.weights)
+    options = {}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--option {item!r}: write KEY=NUMBER, e.g. --option density=0.2") from None
+    info = merge_checkpoints(
+        args.inputs, args.output, args.method, args.format, args.overwrite, args.weights,
+        base=args.base, options=options, seed=args.seed,
+    )  # fmt: skip
     print(f"merged {len(args.inputs)} checkpoints into {args.output} ({args.format}, sparsity {info['sparsity']:.4f})")
     return 0
 

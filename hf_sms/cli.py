@@ -45,11 +45,17 @@ def _parser() -> argparse.ArgumentParser:
         "merge",
         help="average checkpoint folders into a soup, streaming tensor by tensor",
         description="Uniform soup of checkpoints retrained under the same mask (e.g. hf-sms merge r1 r2 r3 "
-        "--output soup). Greedy soups need an evaluation function: use hf_sms.greedy_soup in Python.",
+        "--output soup); model_stock, ties and dare merge their updates from --base (the pruned model they were "
+        "retrained from). Greedy soups need an evaluation function: use hf_sms.greedy_soup in Python.",
     )
     p.add_argument("inputs", nargs="+", metavar="DIR", help="checkpoint folders (save_sparse or save_pretrained)")
     p.add_argument("--method", default="uniform", help="a soup method that needs no validation data (default: uniform)")
     p.add_argument("--weights", type=float, nargs="+", help="one positive weight per input (normalised to sum 1)")
+    p.add_argument("--base", metavar="DIR", help="the inputs' common start, for model_stock, ties and dare")
+    p.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help="a method option, e.g. density=0.2"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the soup's random stream (dare's drop)")
     _output(p, "bitmask", "one of the inputs")
     p.set_defaults(run="hf_sms.checkpoint_cli:run_merge")
 

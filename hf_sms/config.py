@@ -25,6 +25,7 @@ from .registry import (
     SOUPS,
 )
 from .seeding import derive_seed
+from .soup.method import resolve_soup_options
 
 # The trainer's learning-rate modes (see SparseSoupTrainer's ``lr_schedule``).
 LR_SCHEDULES = ("retrain", "original", "pretrain")
@@ -188,6 +189,9 @@ class SparseSoupArguments:
             "is the final soup. E.g. uniform greedy."
         },
     )
+    soup_options: dict | str | None = field(
+        default=None, metadata={"help": 'Soup methods\' options, e.g. \'{"ties": {"density": 0.2}}\' (JSON).'}
+    )
     greedy_keep_ties: bool = field(
         default=False, metadata={"help": "Greedy soup keeps a candidate that ties the metric (the SMS code's >=)."}
     )
@@ -271,6 +275,7 @@ class SparseSoupArguments:
                     registry.check(value, self)
                 except ValueError as e:
                     raise ValueError(f"{field_name}={value!r}: {e}") from None
+        self.soup_options = resolve_soup_options(self)
         if self.pretrain_epochs is not None and not self.pretrain_epochs > 0:
             raise ValueError(
                 f"pretrain_epochs is the original training's length and must be > 0, got {self.pretrain_epochs}"
@@ -374,11 +379,6 @@ class SparseSoupArguments:
             return {"max_steps": self.max_steps * self.phase_replicas(phase)}
         epochs = [h.get("num_train_epochs", self.num_train_epochs) for h in self.replica_overrides(phase)]
         return {"num_train_epochs": float(sum(epochs)), "max_steps": -1}
-
-
-_DECAY_ALL = (
-    "Weight decay on every parameter, biases and norms included, as torch.optim.SGD in the paper's code; False: "
-)
 
 
 @dataclass(kw_only=True, repr=False)

@@ -77,7 +77,7 @@ def test_merge_hands_a_methods_combine_whole_tensors_and_keeps_the_mask(tmp_path
     from hf_sms.soup import SoupMethod, indicator_weights
     from hf_sms.soup.soup import soup
 
-    def rescaled_max(tensors, weights):
+    def rescaled_max(tensors, weights, context):
         """Per tensor: the elementwise max, plus the tensor's mean (a per-tensor statistic, nonzero at zeros)."""
         stacked = torch.stack(tensors)
         return stacked.max(0).values + stacked.mean()

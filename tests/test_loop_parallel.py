@@ -93,15 +93,17 @@ def test_pruning_during_training_with_sms_on_two_processes(tmp_path, method):
 
 
 def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
-    # m = 2 then 1 on 2 processes: the second process owns no replica in phase 2 but joins every collective
+    # m = 2 then 1 on 2 processes: the second process owns no replica in phase 2 but joins every collective; the
+    # soups that see the phase's start (DARE's seeded drop, Model Stock's angle) gather every candidate
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
     for n, out in outs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--per-phase", "2", "1"))
+        _run(_cmd(n, "sms_digits.py", out, "--per-phase", "2", "1", "--merge-methods", "dare", "model_stock"))
     # every rank closes the group accelerate opened: left open, gloo's threads can abort the exit (SIGABRT)
     assert [(outs[2] / f"exit-rank{r}.txt").read_text() for r in (0, 1)] == ["closed", "closed"]
     assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
     par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
-    assert untimed(par["rows"]) == untimed(seq["rows"]) and [len(d["candidates_val"]) for d in par["sms"]] == [2, 1]
+    assert untimed(par["rows"]) == untimed(seq["rows"]) and [len(d["candidates_val"]) for d in par["sms"]] == [2, 1] * 2
+    assert {"sms_dare", "sms_model_stock"} <= set(par["rows"])
 
 
 # smp (32 s) with -m slow: its 2-process run is also the PSPNet smoke run's (tests/test_smoke.py), in CI

@@ -128,5 +128,5 @@ def test_greedy_soup_is_never_worse_than_the_best_candidate(m, seed):
 
 
 def test_soup_registry_rejects_unknown_methods():
-    with pytest.raises(ValueError, match="unknown soup method 'ties'.*greedy.*uniform"):
-        soup(_replicas(2, 0.5), "ties")
+    with pytest.raises(ValueError, match="unknown soup method 'tie'.*greedy.*ties.*uniform"):
+        soup(_replicas(2, 0.5), "tie")

@@ -18,7 +18,7 @@ import torch
 
 from ..registry import SOUPS
 from ..soup.averaging import Accumulator
-from ..soup.method import SoupMethod
+from ..soup.method import SoupMethod, Tensors
 from .card import write_card
 from .codec import decode_tensor, index_info, mask_part, restamp_index, verified
 from .constants import FORMATS, INDEX_SUFFIX, WEIGHTS_NAME
@@ -36,7 +36,7 @@ def streaming_methods() -> list[str]:
     return [n for n, m in SOUPS.items() if not m.needs_validation and m.same_mask]
 
 
-def _check_request(inputs, output, method, format, overwrite, weights, minimum: int = 2) -> SoupMethod:
+def _check_request(inputs, output, method, format, overwrite, weights, minimum: int = 2, base=None) -> SoupMethod:
     """Refuse a merge that cannot be right, from its arguments and paths alone; returns the soup method."""
     spec = SOUPS.get(method)
     if spec.needs_validation or not spec.same_mask:
@@ -44,6 +44,13 @@ def _check_request(inputs, output, method, format, overwrite, weights, minimum: 
         raise ValueError(
             f"the {method!r} soup {why}: run it in Python (hf_sms.greedy_soup, hf_sms.soup.soup); hf-sms merge runs "
             f"{streaming_methods()}"
+        )
+    if spec.needs_base != (base is not None):
+        raise ValueError(
+            f"the {method!r} soup merges updates from the inputs' common start: pass --base <the pruned model they "
+            "were retrained from>"
+            if spec.needs_base
+            else f"the {method!r} soup does not use a base; drop --base (model_stock, ties and dare use one)"
         )
     if weights is not None and (len(weights) != len(inputs) or any(not 0 < w < math.inf for w in weights)):
         raise ValueError(f"give one positive, finite weight per input ({len(inputs)}), got {weights}")
@@ -53,6 +60,8 @@ def _check_request(inputs, output, method, format, overwrite, weights, minimum: 
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if len(inputs) < minimum:
         raise ValueError("merge needs at least two checkpoint folders")
+    if base is not None:
+        inputs = [*inputs, base]  # the base is checked like an input: once, and not the output
     # realpath: "a", "./a/" and a symlink to a are one folder.
     real = [os.path.realpath(d) for d in inputs]
     first: dict[str, int] = {}
@@ -142,15 +151,17 @@ def _mean(tensors: Iterable[torch.Tensor], weights: list[float]) -> torch.Tensor
     return acc.result()
 
 
-def _merge_combined(ckpts: list[SparseCheckpoint], name: str, weight: list[float], spec: SoupMethod) -> torch.Tensor:
+def _merge_combined(ckpts: list[SparseCheckpoint], name: str, weight: list[float], spec: SoupMethod, seen: dict):
     """A method's own ``combine`` gets whole tensors, as its contract says (a per-tensor top-k or trim would
     differ on stored values or chunks); a prunable tensor keeps the inputs' shared mask."""
     tensors = [c.read(name) for c in ckpts]
     shape, dtype = ckpts[0].spec(name)
+    base = seen["base"].read(name) if seen["base"] is not None else None
+    context = Tensors(name, base, seen["options"], seen["seed"])
     if not eligible(name, shape, dtype):
-        return spec.combine(tensors, weight)
+        return spec.combine(tensors, weight, context)
     tensors = list(_same_zeros(tensors, ckpts, name))
-    return spec.combine(tensors, weight) * (tensors[0] != 0)
+    return spec.combine(tensors, weight, context) * (tensors[0] != 0)
 
 
 def _merge_encoded(ckpts: list[SparseCheckpoint], name: str, weight: list[float]):
@@ -181,12 +192,12 @@ def _merge_dense(ckpts: list[SparseCheckpoint], name: str, weight: list[float]) 
     return out.reshape(shape)
 
 
-def _merge_tensor(ckpts, name: str, weight: list[float], spec: SoupMethod, writer: WeightsWriter) -> None:
+def _merge_tensor(ckpts, name: str, weight: list[float], spec: SoupMethod, writer: WeightsWriter, seen: dict) -> None:
     if not ckpts[0].spec(name)[1].is_floating_point:
         writer.add(name, ckpts[0].read(name))  # integer buffers (num_batches_tracked): input 0's
         return
     if spec.combine is not None:
-        writer.add(name, _merge_combined(ckpts, name, weight, spec))
+        writer.add(name, _merge_combined(ckpts, name, weight, spec, seen))
         return
     merged = _merge_encoded(ckpts, name, weight)
     if merged is not None and 0 not in merged[0]:  # the usual case: the index is kept as it is
@@ -212,6 +223,10 @@ def merge_checkpoints(
     overwrite: bool = False,
     weights: list[float] | None = None,
     _copy: bool = False,
+    *,
+    base: str | None = None,
+    options: dict | None = None,
+    seed: int = 0,
 ) -> dict:
     """The soup of checkpoint folders by ``method``, streamed tensor by tensor; ``"uniform"`` equals
     :func:`hf_sms.uniform_soup`.
@@ -225,13 +240,21 @@ def merge_checkpoints(
         format: ``"bitmask"`` or ``"dense"``, independent of the inputs' formats.
         overwrite: replace an existing non-empty ``output`` (swapped in when complete).
         weights: one positive weight per input, normalised to sum 1 (default: the method's own, e.g. 1/m).
+        base: the folder of the pruned model the inputs were retrained from, for methods that merge updates
+            (model_stock, ties, dare); same architecture as the inputs.
+        options: the method's options (e.g. ``{"density": 0.2}`` for ties), checked against the ones it declares.
+        seed: the soup's random stream (dare's drop).
 
     Returns:
         The ``sparsity.json`` written. Raises ``ValueError`` before writing anything if the arguments,
         architectures or masks do not allow the merge.
     """
-    spec = _check_request(inputs, output, method, format, overwrite, weights, minimum=1 if _copy else 2)
+    spec = _check_request(inputs, output, method, format, overwrite, weights, 1 if _copy else 2, base)
+    seen = {"options": spec.resolve(method, options), "seed": seed, "base": None}
     ckpts = [SparseCheckpoint(d) for d in inputs]
+    if base is not None:
+        seen["base"] = SparseCheckpoint(base)
+        _check_same_architecture([*ckpts, seen["base"]])
     _check_same_architecture(ckpts)
     _check_same_masks(ckpts)  # Step 1: refuse before writing anything
     ref = ckpts[0]
@@ -243,7 +266,7 @@ def merge_checkpoints(
         # Step 2: average tensor by tensor, as hf_sms.soup.soup.average_state_dicts does (same kernel, same order)
         writer = WeightsWriter(format)
         for name in ref.names():
-            _merge_tensor(ckpts, name, weight, spec, writer)
+            _merge_tensor(ckpts, name, weight, spec, writer, seen)
         stats = writer.save(os.path.join(tmp, WEIGHTS_NAME))
         del writer
         for ckpt in ckpts:  # the inputs' masks as read (and kept) are the ones each records, or nothing is written
@@ -257,6 +280,8 @@ def merge_checkpoints(
         names = [os.path.basename(os.path.normpath(d)) for d in inputs]  # never a local absolute path
         if not _copy:  # a copy keeps what made the soup, and its results
             recipe.update(m=len(ckpts), merge_method=method, merged_from=names, weights=weight)
+            if base is not None:
+                recipe.update(merge_base=os.path.basename(os.path.normpath(base)), merge_options=seen["options"])
         info = write_sparsity(
             tmp,
             format=format,

@@ -24,6 +24,7 @@ from ..adapters.soup import subset_soup
 from ..checkpoint.constants import REPLICA_STATE, SPARSITY_NAME
 from ..phase import PhaseResult, PhaseSpec, TrackJob
 from ..pruning.masks import PruningStep
+from ..seeding import derive_seed
 from ..soup.soup import soup
 from .schedule import job_steps, place
 
@@ -182,6 +183,9 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
             config=ctx.args,
             sparsity=spec.sparsity,
             reprune=lambda model, sparsity: plan.masks(model, sparsity, example_inputs=example),
+            base=spec.start if spec.shared else None,  # the pruned start every replica retrained from
+            options=ctx.args.soup_options.get(spec.soup) if ctx.args.soup_options else None,
+            seed=derive_seed(ctx.args.seed, "soup", spec.folder),
         )
         kept = [i for i, w in enumerate(weights) if w]
     return PhaseResult(result, candidates, val, kept, step)

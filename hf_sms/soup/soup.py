@@ -21,7 +21,7 @@ from ..pruning.masks import apply_masks, masks_from_model
 from ..pruning.prunable import Masks
 from ..registry import SOUPS
 from .averaging import average_tensors
-from .method import SoupMethod, indicator_weights
+from .method import SoupMethod, Tensors, indicator_weights
 
 StateDict = dict[str, torch.Tensor]
 
@@ -74,13 +74,15 @@ def check_same_masks(models: Sequence[nn.Module]) -> Masks:
     return ref
 
 
-def _combined(method: SoupMethod, world, local, weights, template: StateDict) -> StateDict:
+def _combined(method: SoupMethod, world, local, weights, template: StateDict, base: StateDict | None, **seen):
     if method.combine is None:
         return world.average(local, weights, template)
     every = world.all_candidates(local, len(weights), template)
     used = [i for i, w in enumerate(weights) if w]
     return {
-        k: method.combine([every[i][k] for i in used], [weights[i] for i in used])
+        k: method.combine(
+            [every[i][k] for i in used], [weights[i] for i in used], Tensors(k, base[k] if base else None, **seen)
+        )
         if template[k].is_floating_point()
         else every[used[0]][k].clone()
         for k in template
@@ -99,6 +101,9 @@ def soup(
     config=None,
     sparsity: float | None = None,
     reprune: Callable[[nn.Module, float], Masks] | None = None,
+    base: nn.Module | None = None,
+    options: dict | None = None,
+    seed: int = 0,
 ) -> tuple[nn.Module, list[float]]:
     """The soup of ``candidates`` by a soup method, recalibrated; returns ``(soup, one weight per candidate)``.
 
@@ -114,8 +119,16 @@ def soup(
         config: passed to the method's ``select`` (e.g. ``greedy_keep_ties``).
         sparsity, reprune: where a method re-prunes (``same_mask=False``), to what sparsity and how:
             ``reprune(model, sparsity) -> masks`` (the run's plan on its batch; default: global magnitude).
+        base: the model every candidate was retrained from (the phase's pruned start), for methods that
+            ``needs_base`` (model_stock, ties, dare).
+        options: the method's options (checked against the ones it declares, defaults filled in).
+        seed: the soup's random stream (DARE's drop).
     """
     spec = SOUPS.get(method) if isinstance(method, str) else method
+    name = method if isinstance(method, str) else "this"
+    if spec.needs_base and base is None:
+        raise ValueError(f"the {name!r} soup merges updates from the candidates' common start: pass base=<that model>")
+    seen = {"options": spec.resolve(name, options), "seed": seed}
     local = dict(candidates) if isinstance(candidates, Mapping) else dict(enumerate(candidates))
     world = world if world is not None else LocalWorld()
     template = template if template is not None else next(iter(local.values()), None)
@@ -127,12 +140,13 @@ def soup(
         raise ValueError("this soup re-prunes the mean of candidates with different masks: pass sparsity=")
     state = {i: m.state_dict() for i, m in local.items()}
     reference = template.state_dict()
+    base_state = base.state_dict() if spec.needs_base else None
     # a method's own combine may not keep zeros (a rescaling, a sign vote): the shared mask is applied after it
     shared_mask = masks_from_model(template) if spec.combine is not None and spec.same_mask else None
 
     def build(weights: list[float]) -> nn.Module:
         model = copy.deepcopy(template)
-        model.load_state_dict(_combined(spec, world, state, weights, reference))
+        model.load_state_dict(_combined(spec, world, state, weights, reference, base_state, **seen))
         if shared_mask is not None:
             apply_masks(model, shared_mask)
         if not spec.same_mask and spec.reprune:
