@@ -252,7 +252,7 @@ def test_masks_for_another_model_are_explained(make_args, image_dataset):
             dict(retrain_schedule="cosine"),
             r"retrain_schedule='cosine': unknown retraining schedule 'cosine'; choose one of",
         ),
-        (dict(merge_methods=["ties"]), r"merge_methods='ties': unknown soup method 'ties'; choose one of"),
+        (dict(merge_methods=["swamp"]), r"merge_methods='swamp': unknown soup method 'swamp'; choose one of"),
         (dict(num_replicas=0), "num_replicas must be an integer >= 1"),
         (dict(replica_seeds=[1, 2]), "replica_seeds has 2 entries but num_replicas=3; give one per replica"),
         (dict(replica_weight_decays=[0.1]), "replica_weight_decays has 1 entries.*give one per replica"),

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .masks import validate_masks
+from .masks import placed, validate_masks
 from .prunable import Masks
 
 
@@ -33,14 +33,15 @@ class MaskEnforcer:
         trained = [n for n in masks if tensors[n].param.requires_grad]
         self.params = [tensors[n].param for n in trained]
         # Kept in each weight's dtype: with bool masks _foreach_mul_ promotes types and runs ~3x slower on CPU.
-        self._device_masks = [masks[n].to(device=p.device, dtype=p.dtype) for n, p in zip(trained, self.params)]
+        # A weight sharded by FSDP2 gets its mask sharded like it: every kernel below then runs on the local shard.
+        self._device_masks = [placed(masks[n], p, p.dtype) for n, p in zip(trained, self.params)]
         self._state_cache: tuple[int, int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._dense: list[torch.Tensor] | None = None  # DPF's copy of the dense values, reused every step
 
     def _sync_devices(self) -> None:
         # The Trainer may move (or cast) the model after the masks were bound.
         if any(m.device != p.device or m.dtype != p.dtype for m, p in zip(self._device_masks, self.params)):
-            self._device_masks = [m.to(device=p.device, dtype=p.dtype) for m, p in zip(self._device_masks, self.params)]
+            self._device_masks = [placed(m, p, p.dtype) for m, p in zip(self._device_masks, self.params)]
             self._state_cache = None
 
     @torch.no_grad()
@@ -56,7 +57,7 @@ class MaskEnforcer:
         trained = {id(p) for p in self.params}
         for p, m in zip(self.all_params, self.masks.values()):
             if id(p) not in trained:
-                p.data.mul_(m.to(device=p.device, dtype=p.dtype))
+                p.data.mul_(placed(m, p, p.dtype))
 
     @torch.no_grad()
     def mask_parameters(self) -> None:
@@ -161,7 +162,9 @@ class MaskingPolicy:
     def sparsity(self) -> float:
         """Fraction of the masked weights that are exactly zero."""
         params = self.enforcer.all_params
-        zeros = sum(int((p == 0).sum()) for p in params)
+        counts = [(p == 0).sum() for p in params]
+        # FSDP2: each process counts its shard; the sum over processes (every process logs, in step) is the model's
+        zeros = sum(int(c.full_tensor() if type(c).__name__ == "DTensor" else c) for c in counts)
         return zeros / max(sum(p.numel() for p in params), 1)
 
 

@@ -41,13 +41,23 @@ def validate_masks(model: nn.Module, masks: Masks) -> dict[str, PrunableTensor]:
     return tensors
 
 
+def placed(mask: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``mask`` where ``param`` lives: on its device and, for a parameter sharded by FSDP2 (a ``DTensor``), sharded
+    like it (its mesh and placements; each process cuts its own shard of the full mask, no communication)."""
+    if type(param).__name__ == "DTensor" and type(mask).__name__ != "DTensor":
+        from torch.distributed.tensor import distribute_tensor
+
+        mask = distribute_tensor(mask.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return mask.to(device=param.device, dtype=dtype or mask.dtype)
+
+
 @torch.no_grad()
 def apply_masks(model: nn.Module, masks: Masks) -> nn.Module:
-    """Zero the pruned weights of ``model`` in place; returns ``model``."""
+    """Zero the pruned weights of ``model`` in place (FSDP2-sharded weights shard by shard); returns ``model``."""
     tensors = validate_masks(model, masks)
     for name, mask in masks.items():
         param = tensors[name].param
-        param.masked_fill_(~mask.to(param.device), 0.0)  # +0.0, not the -0.0 a multiply leaves
+        param.masked_fill_(~placed(mask, param), 0.0)  # +0.0, not the -0.0 a multiply leaves
     return model
 
 

@@ -1,0 +1,65 @@
+"""Replicas larger than one device (issue 35 item 5): FSDP2 (``fully_shard``) on 2 CPU processes with gloo. Masks
+are sharded like their weights, pruned weights stay exactly zero after every step (optimizers that keep zeros and
+one that does not), the soup is averaged shard by shard, saved from the shards, and equals the soup of the same
+replicas trained in one process without sharding."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sharded_task import OPTIMS, REPLICAS, STEPS, batch, build, pruned_start
+
+from hf_sms import load_sparse
+from hf_sms.pruning.enforcement import ExactMasking, MaskEnforcer
+from hf_sms.pruning.masks import masks_from_model
+from hf_sms.soup import average_state_dicts
+
+REPO = str(Path(__file__).parent.parent)
+SCRIPT = Path(__file__).parent / "scripts" / "fsdp_replicas.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+
+
+def _reference(optim: str) -> dict:
+    """The same replicas in one process, unsharded, on whole batches; their uniform soup."""
+    start, masks = pruned_start()
+    states = []
+    for i in range(REPLICAS):
+        model = build()
+        model.load_state_dict(start.state_dict())
+        policy = ExactMasking()
+        policy.bind(MaskEnforcer(model, masks))
+        opt = OPTIMS[optim](model.parameters())
+        policy.start(opt)
+        for step in range(STEPS):
+            x, y = batch(i, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            policy.before_step()
+            opt.step()
+            policy.after_step(opt)
+            opt.zero_grad()
+        states.append(model.state_dict())
+    return average_state_dicts(states)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "rmsprop"])
+def test_fsdp2_replicas_keep_the_mask_and_soup_as_one_process_does(tmp_path, optim):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+           str(tmp_path), optim]  # fmt: skip
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    checks = json.loads((tmp_path / "checks.json").read_text())
+    kept = sum(int(m.sum()) for m in pruned_start()[1].values()) / sum(m.numel() for m in pruned_start()[1].values())
+    assert [checks.pop(f"logged_sparsity{i}") for i in range(REPLICAS)] == [pytest.approx(1 - kept)] * REPLICAS
+    assert checks == {"exact_after_every_step": True, "mask_shard_shapes": True, "soup_mask_is_the_mask": True}
+    soup = load_sparse(str(tmp_path / "soup"), model=build())
+    expected = _reference(optim)
+    _, masks = pruned_start()
+    for k, v in soup.state_dict().items():
+        torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6)
+    found = masks_from_model(soup)
+    assert all(torch.equal(found[k], masks[k]) for k in masks)  # the soup's zeros are exactly the mask
+    assert not torch.equal(soup.state_dict()["head.weight"], pruned_start()[0].state_dict()["head.weight"])
