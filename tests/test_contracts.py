@@ -46,14 +46,14 @@ def _replicas(make, m=3, sparsity=0.7):
             for p in r.parameters():
                 p.add_(torch.randn_like(p) * 0.05 * (i + 1))
         out.append(apply_masks(r, masks))
-    return out, masks
+    return out, masks, base  # base: the pruned start of every replica (model_stock, ties and dare merge from it)
 
 
 # -- soups ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", hf_sms.SOUPS.names())
 def test_every_soup_keeps_the_mask_and_its_promises(name):
     method = hf_sms.SOUPS.get(name)
-    replicas, masks = _replicas(make_cnn)
+    replicas, masks, start = _replicas(make_cnn)
     x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     target = replicas[0](x).detach()
 
@@ -68,6 +68,7 @@ def test_every_soup_keeps_the_mask_and_its_promises(name):
         evaluate=evaluate,
         sparsity=0.7,
         reprune=lambda m, s: compute_masks(m, s, "uniform"),
+        base=start if method.needs_base else None,
     )
     assert len(weights) == len(replicas) and any(weights)
     got = masks_from_model(result)
@@ -87,7 +88,7 @@ def test_every_family_has_a_contract_model():
 @pytest.mark.parametrize("library", sorted(FAMILY_MODELS))
 def test_every_family_round_trips_and_merges(tmp_path, library):
     make = FAMILY_MODELS[library]
-    replicas, _ = _replicas(make, m=2)
+    replicas, _, _ = _replicas(make, m=2)
     folders = [save_sparse(r, str(tmp_path / f"r{i}")) for i, r in enumerate(replicas)]
     template = make() if library == "torch" else None
     loaded = load_sparse(folders[0], template)

@@ -190,8 +190,8 @@ def compute_masks(
             makes its own when it is not given).
         structure: a name in ``STRUCTURES``: "unstructured" (default), "filters", "neurons", "heads", "n:m", or
             units joined by "+" ("neurons+heads").
-        criterion: a name in ``CRITERIA``: "magnitude" (default for weights), "l1", "l2" (default for units),
-            "random", "wanda".
+        criterion: a name in ``CRITERIA``: "magnitude" (default for weights), "l1", "l2" (default for units; a
+            filter by its own kernel), "l2_group" / "l1_group" (a filter with its readers' slices), "random", "wanda".
         seed: the random stream of criteria that need one; the same seed gives the same masks.
         unit_multiple: units: every group keeps a multiple of this many (the next best units stay).
         fit_config: units: prune only units the model family's own config can state, so :func:`hf_sms.shrink`

@@ -24,7 +24,7 @@ from ..pruning.graph import trace_units
 from ..pruning.graph.trace import architecture_key
 from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
 from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
-from ..registry import ALLOCATIONS, STRUCTURES
+from ..registry import ALLOCATIONS, CRITERIA, STRUCTURES
 from ..runtime.speed import measure_speedup_of, time_smaller
 from ..shrinking.cut import cut_in_place, kept_index
 from ..shrinking.families import config_family
@@ -140,7 +140,8 @@ class Units(Structure):
         groups = self.groups(model, batch, plan.fit_config)
         if not groups:
             raise ValueError(self.nothing(model, batch, plan.fit_config))
-        return unit_masks(groups, scores, current, sparsity, plan.unit_multiple)
+        own = CRITERIA.meta(plan.criterion).get("unit_score", "own") == "own"
+        return unit_masks(groups, scores, current, sparsity, plan.unit_multiple, own_kernels=own)
 
     def _layers(self, model: nn.Module) -> list[str]:
         """The layers that could make units of these kinds: convs for filters, linear (and 1x1) layers else."""

@@ -91,11 +91,21 @@ def keep_count(n_units: int, sparsity: float, alive: int, multiple_of: int = 1) 
 
 
 def unit_masks(
-    groups: list[UnitGroup], scores: dict[str, torch.Tensor], masks: Masks, sparsity: float, multiple_of: int = 1
+    groups: list[UnitGroup],
+    scores: dict[str, torch.Tensor],
+    masks: Masks,
+    sparsity: float,
+    multiple_of: int = 1,
+    own_kernels: bool = True,
 ) -> Masks:
     """Masks removing ``round(sparsity * n)`` units of every group (more if earlier masks removed more; removed
     units stay removed), those whose weights score lowest in total; with ``multiple_of``, each group keeps a
     multiple of it (the next best units stay). Weights outside every group keep their masks.
+
+    ``own_kernels``: a filter's score is that of its own kernel(s), the producing layers' slices (Li et al. 2017,
+    the paper; several producers tied by a residual stream: their kernels together); ``False``: of every weight of
+    the unit, readers included. Neurons and heads always score every weight of the unit. Either way every masked
+    slice of a removed unit is zeroed.
 
     Raises ``ValueError`` where a group would keep no unit.
     """
@@ -109,7 +119,8 @@ def unit_masks(
                 f"sparsity {sparsity:g} removes every one of the {g.n_units} {g.kind} of {g.name}; a layer needs at "
                 f"least one: use a sparsity below {1 - 0.5 / g.n_units:.4g}"
             )
-        total = sum(m.unit_sums(scores[m.name]).cpu().double() for m in masked)
+        scored = [m for m in masked if m.role == "producer"] if own_kernels and g.kind == "filters" else []
+        total = sum(m.unit_sums(scores[m.name]).cpu().double() for m in scored or masked)
         keep = _keep_top(_masked_scores(total, alive), n_keep)
         for m in masked:
             out[m.name] = out[m.name] & m.expand(keep, out[m.name].shape).to(out[m.name].device)
