@@ -54,3 +54,18 @@ def as_sparse_arguments(args, base: type = TrainingArguments):
         f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name in names and hasattr(args, f.name)
     }
     return target(**values)
+
+
+def departures(args) -> list[str]:
+    """Where ``args`` retrain differently from the paper's settings (SparseSoupConfig's defaults): an arguments
+    class's own defaults (Seq2SeqTrainingArguments, trl's SFTConfig) clip gradients and exempt biases and norms from
+    decay. The SMS loop says these in its log, results.json and the model card's notes."""
+    out = []
+    if (getattr(args, "max_grad_norm", 0) or 0) > 0:
+        out.append(f"gradients are clipped at norm {args.max_grad_norm:g} (max_grad_norm; the paper does not clip)")
+    if not getattr(args, "decay_all_parameters", True) and args.weight_decay > 0:
+        out.append(
+            "biases and norm weights are exempt from weight decay (decay_all_parameters=False; the paper decays "
+            "every parameter)"
+        )
+    return out

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from ..adapters.replica import kind_of
+from ..arguments import departures
 from ..batchnorm import has_batchnorm
 from ..checkpoint import load_sparse, save_sparse
 from ..checkpoint.constants import FINAL_SOUP, RESULTS_FILE, SPARSITY_NAME
@@ -106,7 +107,9 @@ class SparseModelSoup:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         # The ensemble diagnostic needs a test set scored with the selection metric.
         self.test_dataset = next((d for d, m in self.tests.values() if m is metric_fn), None)
-        self.metric_fn, self.processing_class, self.model_card = metric_fn, processing_class, model_card or {}
+        notes = [*(model_card or {}).get("notes", ()), *departures(args)]  # said at the start, on the card, in results
+        self.metric_fn, self.processing_class = metric_fn, processing_class
+        self.model_card = {**(model_card or {}), **({"notes": notes} if notes else {})}
         trainer_class = trainer_class or SparseSoupTrainer
         if not (isinstance(trainer_class, type) and issubclass(trainer_class, SparseSoupMixin)):
             raise TypeError(
@@ -125,7 +128,7 @@ class SparseModelSoup:
             self.trainer_kwargs["compute_loss_func"] = compute_loss_func
         self.collate = data_collator or default_data_collator
         # what every replica and IMP baseline trained (replica_params): the rows compare like with like
-        self.results: dict = {"rows": {}, "sms": [], "replica_params": args.replica_params}
+        self.results: dict = {"rows": {}, "sms": [], "replica_params": args.replica_params, "notes": notes}
         self.set_phases(phase_sparsities(args.target_sparsity, args.n_phases))
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
         check_world(args, self.world)
@@ -138,17 +141,11 @@ class SparseModelSoup:
         )
         plan, self.started = args.plan, time.time()
         self.recorder = Recorder(
-            self.results,
-            self.world,
-            self.tests,
-            metric_fn,
-            eval_dataset,
-            self.test_dataset,
-            lambda: self.example,
+            self.results, self.world, self.tests, metric_fn, eval_dataset, self.test_dataset, lambda: self.example,
             self.run_dir.path(RESULTS_FILE),
             timer=(lambda m: plan.timed(self.on_device(m), self.example)) if args.measure_speedup else None,
             achieved=lambda m: plan.achieved(m, self.example),
-        )
+        )  # fmt: skip
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
     def set_phases(self, sparsities: list[float]) -> None:
