@@ -212,9 +212,13 @@ def test_grouped_convolutions_keep_their_channels_and_transposed_ones_prune_outp
         assert "0.weight" not in names and "2.weight" not in names
 
 
-def test_a_uniform_soup_of_filter_pruned_replicas_keeps_every_removed_filter_zero():
+def test_a_uniform_soup_of_filter_pruned_replicas_keeps_every_removed_filter_zero(monkeypatch, caplog):
     base, x = make_resnet(), torch.randn(4, 3, 16, 16)
-    masks = compute_masks(base, 0.5, structure="filters", example_inputs=x)
+    monkeypatch.setattr("hf_sms.plan.structures._TOLD", set())
+    with caplog.at_level("WARNING", logger="hf_sms"):
+        masks = compute_masks(base, 0.5, structure="filters", example_inputs=x)
+        compute_masks(base, 0.5, structure="filters", example_inputs=x)
+    assert caplog.text.count("fit_config=True leaves") == 1 and "cannot state their widths" in caplog.text
     apply_masks(base, masks)
     replicas = []
     for seed in range(3):
@@ -234,7 +238,15 @@ def test_a_uniform_soup_of_filter_pruned_replicas_keeps_every_removed_filter_zer
     groups = hf_sms.plan.get_structure("filters").groups(base, x)
     for g in groups:
         assert torch.equal(removed_units(soup, g), removed_units(base, g)), g.name
-    assert hf_sms.resolve_pruning(structure="filters").achieved(soup, x) == {"filters": 0.5}
+    # the true fraction counts every filter the graph finds, those fit_config left dense too (issue 37 item 3)
+    every = hf_sms.plan.get_structure("filters").groups(base, x, fit_config=False)
+    removed = sum(int(removed_units(soup, g).sum()) * g.layers for g in every)
+    assert len(every) > len(groups)  # this ResNet's stem and first stage stay dense
+    assert hf_sms.resolve_pruning(structure="filters").achieved(soup, x) == {
+        "filters": pytest.approx(removed / sum(g.n_units * g.layers for g in every)),
+        "filters in pruned groups": 0.5,
+    }
+    assert removed / sum(g.n_units * g.layers for g in every) < 0.5
 
 
 @pytest.mark.parametrize("fmt", ["bitmask", "dense"])

@@ -134,6 +134,15 @@ class Units(Structure):
         if not fit_config or not groups:
             return groups
         stated = _stated(model, example_batch(model, batch), groups, self.kinds)
+        left = [g.name for g, ok in zip(groups, stated) if not ok]
+        if left and (architecture_key(model), tuple(left)) not in _TOLD:  # once per architecture and process
+            _TOLD.add((architecture_key(model), tuple(left)))
+            logger.warning(
+                "[hf-sms] fit_config=True leaves %d of %d %s groups dense, since %s's config cannot state their "
+                "widths: %s. Reported unit fractions count every unit; fit_config=False prunes them too (a smaller "
+                "model only hf-sms rebuilds).",
+                len(left), len(groups), "/".join(self.kinds), type(model).__name__, ", ".join(left[:6]),
+            )  # fmt: skip
         return [g for g, ok in zip(groups, stated) if ok]
 
     def masks(self, plan, model, tensors, scores, current, sparsity, batch):
@@ -227,8 +236,14 @@ class Units(Structure):
         return sum(max(1, sum(masks[m.name].numel() for m in g.masked) // g.n_units) for g in groups) or len(masks)
 
     def achieved(self, plan, model, batch):
-        groups = self.groups(model, batch, plan.fit_config)
-        return {k: v["sparsity"] for k, v in unit_report(model, groups).items()}
+        """The fraction of every unit of each kind the graph finds that is removed; where ``fit_config`` left
+        groups dense, also of the groups pruned (``"filters in pruned groups"``)."""
+        every = self.groups(model, batch, fit_config=False)
+        out = {k: v["sparsity"] for k, v in unit_report(model, every).items()}
+        pruned = self.groups(model, batch, plan.fit_config)
+        if len(pruned) < len(every):
+            out.update({f"{k} in pruned groups": v["sparsity"] for k, v in unit_report(model, pruned).items()})
+        return out
 
     def final(self, plan, soup, dense, batch):
         """The soup cut to its smaller model (its family's own format where its config states the widths, else
@@ -252,6 +267,7 @@ class Units(Structure):
 
 
 _STATED: dict = {}
+_TOLD: set = set()  # the groups fit_config left dense, said once
 
 
 def _stated(model: nn.Module, batch, groups: list[UnitGroup], kinds) -> list[bool]:
