@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import RUN, make_cnn, make_image_dataset, training_args
+from torch import nn
 from transformers import Trainer
 
 from hf_sms import SparseSoupConfig, SparseSoupMixin, SparseSoupTrainer, compute_masks
@@ -154,6 +155,7 @@ def test_the_trainers_mask_file_is_neither_counted_as_weights_nor_uploaded(tmp_p
 # -- what a run says (item 18) ---------------------------------------------------------------------------------
 RUN_SCRIPT = """
 import torch
+from torch import nn
 from hf_sms import SparseSoupConfig, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
@@ -543,7 +545,9 @@ def test_following_the_refusals_advice_ends_in_a_smaller_model_not_a_torch_error
 
 
 # -- a smaller model off the traced path (item 2) -------------------------------------------------------------------
-def test_a_unit_reaching_a_train_only_head_is_refused_not_shrunk_into_a_model_that_fails_in_train_mode():
+def test_a_unit_reaching_a_train_only_head_is_refused_before_training_and_the_smaller_model_trains(caplog):
+    """Units are traced in train mode too: the groups googlenet's auxiliary heads read (inception4a, 4d) stay dense,
+    named before any training, and the smaller model runs in both modes."""
     import torchvision
 
     from hf_sms import compute_masks, shrink
@@ -552,12 +556,40 @@ def test_a_unit_reaching_a_train_only_head_is_refused_not_shrunk_into_a_model_th
     torch.manual_seed(0)
     model = torchvision.models.googlenet(num_classes=4, aux_logits=True, init_weights=False)  # aux heads: train only
     x = torch.randn(2, 3, 96, 96)
-    apply_masks(model, compute_masks(model, 0.5, structure="filters", example_inputs=x, fit_config=False))
-    with pytest.raises(ValueError, match="fails in train mode at .*aux"):
-        shrink(model, x, fit_config=False)
-    eval_only = torchvision.models.googlenet(num_classes=4, aux_logits=False, init_weights=False)
-    apply_masks(eval_only, compute_masks(eval_only, 0.5, structure="filters", example_inputs=x, fit_config=False))
-    smaller = shrink(eval_only, x, fit_config=False)  # the advice works
+    with caplog.at_level("WARNING", logger="hf_sms"):
+        masks = compute_masks(model, 0.5, structure="filters", example_inputs=x, fit_config=False)
+    assert "read by code only training runs" in caplog.text and "inception4a.branch1.conv" in caplog.text
+
+    def filters_kept(name):
+        return masks[name].flatten(1).any(1).float().mean().item()
+
+    assert (
+        filters_kept("inception4a.branch1.conv.weight") == 1.0
+        and filters_kept("inception3a.branch1.conv.weight") == 0.5
+    )
+    apply_masks(model, masks)
+    smaller = shrink(model, x, fit_config=False)
+    assert sum(p.numel() for p in smaller.parameters()) < sum(p.numel() for p in model.parameters())
     smaller.train()
     with torch.no_grad():
-        assert smaller(x).shape == (2, 4)
+        out = smaller(x)
+        assert out.logits.shape == (2, 4) and out.aux_logits1.shape == (2, 4)
+
+
+def test_shrink_still_refuses_a_smaller_model_that_fails_in_train_mode():
+    """The second guard, for what a trace in either mode cannot see (a data-dependent branch): the smaller model
+    is run in train mode, and a failure names the layer."""
+    from hf_sms.shrinking.shrink import _check_train_mode
+
+    class TrainOnly(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.conv, self.aux = nn.Conv2d(3, width, 3), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = self.conv(x).mean((2, 3))
+            return h.sum(1, keepdim=True) + (self.aux(h).sum(1, keepdim=True) if self.training else 0)
+
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(ValueError, match="fails in train mode at aux"):
+        _check_train_mode(TrainOnly(8), TrainOnly(4), x)

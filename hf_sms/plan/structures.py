@@ -130,7 +130,7 @@ class Units(Structure):
         state (a model smaller in its own format), else every one the graph has."""
         if not self._layers(model):
             return []
-        groups = trace_units(model, example_batch(model, batch)).groups(self.kinds)
+        groups = _same_in_train_mode(model, example_batch(model, batch), self.kinds)
         if not fit_config or not groups:
             return groups
         stated = _stated(model, example_batch(model, batch), groups, self.kinds)
@@ -267,6 +267,33 @@ class Units(Structure):
 
 
 _STATED: dict = {}
+
+
+def _group_key(g: UnitGroup) -> tuple:
+    members = sorted((m.name, m.dim, m.role, tuple(m.positions.flatten().tolist())) for m in g.members)
+    return g.kind, g.n_units, tuple(members)
+
+
+def _same_in_train_mode(model: nn.Module, batch, kinds) -> list[UnitGroup]:
+    """The unit groups of the eval-mode trace that a train-mode trace finds alike: a unit whose channels also reach
+    code only training runs (an auxiliary head, a train-only branch) is refused (left dense), naming its layer,
+    before any training. A model that cannot run the batch in train mode (BatchNorm on one example) keeps eval's."""
+    groups = trace_units(model, batch).groups(kinds)
+    try:
+        train = {_group_key(g) for g in trace_units(model, batch, train=True).groups(kinds)}
+    except ValueError:
+        return groups
+    left = [g.name for g in groups if _group_key(g) not in train]
+    if left and (architecture_key(model), "train", tuple(left)) not in _TOLD:
+        _TOLD.add((architecture_key(model), "train", tuple(left)))
+        logger.warning(
+            "[hf-sms] %s: %d unit group(s) are read by code only training runs, which an eval-mode forward does not "
+            "show, so they stay dense: %s",
+            type(model).__name__, len(left), ", ".join(left[:6]),
+        )  # fmt: skip
+    return [g for g in groups if _group_key(g) in train]
+
+
 _TOLD: set = set()  # the groups fit_config left dense, said once
 
 

@@ -144,21 +144,23 @@ def _hooks_global() -> tuple:
 
 
 @torch.no_grad()
-def trace_units(model: nn.Module, example_inputs) -> Trace:
+def trace_units(model: nn.Module, example_inputs, train: bool = False) -> Trace:
     """The unit spaces of ``model``, found from one eval forward on (the first two examples of)
-    ``example_inputs``, a batch as :func:`hf_sms.batchnorm.forward_batch` takes it. The model's training mode is
-    restored. Remembered per :func:`architecture_key` and batch shape: the spaces depend on the forward and the
-    shapes, not on the weights."""
+    ``example_inputs``, a batch as :func:`hf_sms.batchnorm.forward_batch` takes it; ``train``: from a train-mode
+    forward (dropout modules off, buffers such as BatchNorm statistics restored, the random state untouched), where
+    code only training runs (an auxiliary head) reads the channels too. The model's training mode is restored.
+    Remembered per :func:`architecture_key`, batch shape and mode: the spaces depend on the forward and the shapes,
+    not on the weights."""
     batch = _small(example_inputs)
-    key = (architecture_key(model), _signature(batch))
+    key = (architecture_key(model), _signature(batch), train)
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _trace(model, batch)
+        _CACHE[key] = _trace(model, batch, train)
     return _CACHE[key]
 
 
-def _trace(model: nn.Module, batch) -> Trace:
+def _trace(model: nn.Module, batch, train: bool = False) -> Trace:
     names: dict[int, str] = {}
     for n, p in model.named_parameters():
         names.setdefault(id(p), n)
@@ -166,10 +168,14 @@ def _trace(model: nn.Module, batch) -> Trace:
         names.setdefault(id(b), n)
     recorder = Recorder(names)
     was_training = model.training
-    model.eval()
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()} if train else {}
+    model.train(train)
+    for m in model.modules() if train else ():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.eval()
     try:
-        with unfused_attention(), recorder:
-            device = next(model.parameters()).device
+        device = next(model.parameters()).device
+        with unfused_attention(), recorder, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             try:
                 out = forward_batch(model, batch, device, keep_labels=accepts_labels(model))
             except Exception as e:
@@ -182,6 +188,9 @@ def _trace(model: nn.Module, batch) -> Trace:
                 recorder.s.pin(space, "the model's output")
     finally:
         model.train(was_training)
+        with torch.no_grad():
+            for n, b in model.named_buffers() if train else ():
+                b.copy_(saved[n])
     return _units(model, recorder)
 
 
