@@ -593,3 +593,40 @@ def test_shrink_still_refuses_a_smaller_model_that_fails_in_train_mode():
     x = torch.randn(2, 3, 8, 8)
     with pytest.raises(ValueError, match="fails in train mode at aux"):
         _check_train_mode(TrainOnly(8), TrainOnly(4), x)
+
+
+class Branchy(nn.Module):
+    """A data-dependent branch: the other one reads channels by position, so cutting units moves them."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 8, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x)).mean((2, 3))
+        if x.mean() > 0:
+            return self.head(h)
+        return self.head(torch.cat([h[:, :4], h[:, :4]], 1))
+
+
+def test_a_saved_smaller_soup_is_checked_on_other_batches_than_the_traced_one(tmp_path):
+    """A data-dependent branch the traced batch did not take: the smaller model agrees on that batch and not on
+    another, so the run's final soup is saved as the pruned model, saying why (issue 36 item 2)."""
+    import copy
+    import json
+
+    from hf_sms import apply_masks, compute_masks, resolve_pruning
+    from hf_sms.loop.final_soup import save_final_soup
+
+    torch.manual_seed(0)
+    dense = Branchy()
+    traced, other = torch.randn(2, 3, 8, 8).abs(), -torch.randn(2, 3, 8, 8).abs()
+    plan = resolve_pruning(structure="filters", fit_config=False)
+    soup = copy.deepcopy(dense)
+    apply_masks(soup, compute_masks(soup, 0.5, structure="filters", example_inputs=traced, fit_config=False))
+    kept = save_final_soup(soup, str(tmp_path / "same"), dense=dense, plan=plan, example=traced, recipe={},
+                           checks=[traced.flip(0)])  # fmt: skip
+    assert json.loads((tmp_path / "same" / "sparsity.json").read_text())["recipe"]["shrunk"]["saved"] == "smaller"
+    save_final_soup(soup, str(tmp_path / "other"), dense=dense, plan=plan, example=traced, recipe={}, checks=[other])
+    shrunk = json.loads((tmp_path / "other" / "sparsity.json").read_text())["recipe"]["shrunk"]
+    assert shrunk["saved"] == "pruned" and "on another validation batch" in shrunk["why"] and kept

@@ -6,13 +6,24 @@ import copy
 import logging
 
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ..checkpoint import load_sparse, save_sparse
+from ..shrinking.shrink import same_outputs
 
 logger = logging.getLogger(__name__)
 
 
-def save_final_soup(soup: nn.Module, directory: str, *, dense: nn.Module, plan, example, recipe: dict, **kwargs) -> str:
+def other_batches(dataset, batch_size: int, collate, n: int = 2) -> list:
+    """Up to ``n`` batches of ``dataset`` after its first (the one units are traced and checked on)."""
+    batches = iter(DataLoader(dataset, batch_size, collate_fn=collate))
+    next(batches, None)
+    return [b for _, b in zip(range(n), batches)]
+
+
+def save_final_soup(
+    soup: nn.Module, directory: str, *, dense: nn.Module, plan, example, recipe: dict, checks=(), **kwargs
+) -> str:
     """Save what ``plan`` makes of ``soup`` (:meth:`hf_sms.plan.PruningPlan.final`) to ``directory``: a bitmask
     checkpoint for weight structures; for units the smaller model in its family's own dense format, its recipe
     saying what was cut (``recipe["shrunk"]``: units removed, parameters against ``dense``).
@@ -20,8 +31,10 @@ def save_final_soup(soup: nn.Module, directory: str, *, dense: nn.Module, plan, 
     The smaller folder is kept only if it loads back as a user would load it: by its family from its own config,
     or, where the config cannot state its widths (``recipe["shrunk"]["cut"] == "in place"``), by
     :func:`hf_sms.load_sparse`, which cuts the model its family (or a template, for plain torch) builds to the
-    stored widths. Else the pruned soup is saved as a bitmask checkpoint, and the recipe says why. ``example`` is a
-    batch (units are traced and outputs checked on it); ``kwargs`` go to :func:`hf_sms.save_sparse`.
+    stored widths, and gives the soup's outputs on the batches in ``checks`` too (other data than ``example``: a
+    branch the traced batch did not take). Else the pruned soup is saved as a bitmask checkpoint, and the recipe
+    says why. ``example`` is a batch (units are traced and outputs checked on it); ``kwargs`` go to
+    :func:`hf_sms.save_sparse`.
     """
     final = plan.final(soup, dense, example)
     if final.shrunk is None:
@@ -33,10 +46,19 @@ def save_final_soup(soup: nn.Module, directory: str, *, dense: nn.Module, plan, 
     template = copy.deepcopy(dense) if final.shrunk.get("cut") == "in place" else None  # its code builds it
     save_sparse(final.model, directory, final.fmt, recipe={**recipe, "shrunk": final.shrunk}, **kwargs)
     try:
-        load_sparse(directory, model=template)  # as a user loads it: the family's own config, or hf-sms's cut
-        return directory
+        loaded = load_sparse(directory, model=template)  # as a user loads it: its own config, or hf-sms's cut
     except (ValueError, RuntimeError) as e:
-        why = f"it does not load back as saved ({str(e)[:200]})"
+        loaded, why = None, f"it does not load back as saved ({str(e)[:200]})"
+    if loaded is not None:
+        try:
+            if all(same_outputs(soup, loaded, b) for b in checks):
+                return directory
+            why = ""
+        except (ValueError, RuntimeError, IndexError) as e:
+            why = f": {str(e)[:160]}"
+        why = (
+            f"its outputs are not the soup's on another validation batch (a branch its traced batch did not take){why}"
+        )
     logger.warning("[hf-sms] the final soup is saved as the pruned model, not the smaller one: %s", why)
     return save_sparse(
         soup, directory, recipe={**recipe, "shrunk": {**final.shrunk, "saved": "pruned", "why": why}}, **kwargs

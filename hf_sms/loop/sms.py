@@ -34,7 +34,7 @@ from ..seeding import derive_seed
 from ..trainer import SparseSoupMixin, SparseSoupTrainer
 from .checks import check_inputs, check_model, check_world
 from .distributed import ReplicaWorld
-from .final_soup import save_final_soup
+from .final_soup import other_batches, save_final_soup
 from .launcher import restore_launcher_env
 from .recorder import Recorder
 from .replica_training import fit, train_subset
@@ -192,6 +192,7 @@ class SparseModelSoup:
                     dense=self.pretrained,
                     plan=a.plan,
                     example=self.example,
+                    checks=other_batches(self.eval_dataset, a.per_device_eval_batch_size, self.collate),
                     recipe=self.recipe(),
                     metrics=self.recorder.final_metrics(),
                     processing_class=self.processing_class,

@@ -65,6 +65,14 @@ def eval_output(model: nn.Module, example_inputs) -> torch.Tensor:
 
 
 @torch.no_grad()
+def same_outputs(model: nn.Module, smaller: nn.Module, batch, rtol: float = 1e-4) -> bool:
+    """Whether ``smaller`` gives ``model``'s eval outputs on ``batch``, within ``rtol`` of their largest magnitude."""
+    expected, got = eval_output(model, batch), eval_output(smaller, batch)
+    scale = float(expected.abs().max().clamp_min(1e-12))
+    return expected.shape == got.shape and float((expected - got.to(expected.device)).abs().max()) <= rtol * scale
+
+
+@torch.no_grad()
 def train_output(model: nn.Module, example_inputs) -> torch.Tensor:
     """``model``'s main output in train mode (dropout modules off); an error carries the last module entered
     (``hf_sms_module``); buffers (BatchNorm statistics) and modes are restored."""
@@ -203,9 +211,7 @@ def shrink(
     else:
         smaller = _rebuilt(model, groups, fitted)
         _warn_kept(groups, keep, fitted.keep)
-    expected, got = eval_output(model, batch), eval_output(smaller, batch)
-    scale = float(expected.abs().max().clamp_min(1e-12))
-    if expected.shape != got.shape or float((expected - got).abs().max()) > rtol * scale:
+    if not same_outputs(model, smaller, batch, rtol):
         raise ValueError(
             f"shrink: the smaller {type(model).__name__} computes other outputs than the pruned one; a layer "
             "does not keep its units independent. Please report it with the model's class"
