@@ -25,7 +25,7 @@ from .registry import (
     SOUPS,
 )
 from .seeding import derive_seed
-from .soup.method import resolve_soup_options
+from .soup_options import resolve_soup_options
 
 # The trainer's learning-rate modes (see SparseSoupTrainer's ``lr_schedule``).
 LR_SCHEDULES = ("retrain", "original", "pretrain")

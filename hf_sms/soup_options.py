@@ -1,0 +1,27 @@
+"""``SparseSoupConfig.soup_options`` checked before any training: each soup method's declared options
+(:class:`hf_sms.soup.method.Option`), looked up in the registry (which imports the soup methods when first asked)."""
+
+from __future__ import annotations
+
+import json
+
+from .registry import SOUPS
+
+
+def resolve_soup_options(config) -> dict[str, dict[str, float]]:
+    """``config.soup_options`` (a dict, or its JSON text from the command line) checked against the options each
+    method in ``config.merge_methods`` declares, defaults filled in; raises before any training."""
+    given = getattr(config, "soup_options", None) or {}
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError as e:
+            raise ValueError(f'soup_options must be JSON such as \'{{"ties": {{"density": 0.2}}}}\' ({e})') from None
+    if not isinstance(given, dict) or not all(isinstance(v, dict) for v in given.values()):
+        raise ValueError(
+            f'soup_options maps a soup method to its options, e.g. {{"ties": {{"density": 0.2}}}}; got {given!r}'
+        )
+    stray = sorted(set(given) - set(config.merge_methods))
+    if stray:
+        raise ValueError(f"soup_options names {stray}, which merge_methods={config.merge_methods} does not run")
+    return {m: SOUPS.get(m).resolve(m, given.get(m)) for m in config.merge_methods if SOUPS.get(m).options}
