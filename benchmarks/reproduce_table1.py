@@ -37,7 +37,10 @@ p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
 p.add_argument("--targets", type=float, nargs="+", default=[0.9, 0.98])
 p.add_argument("--replicas", type=int, nargs="+", default=[3, 5])
 p.add_argument("--merge-methods", nargs="+", default=["uniform", "greedy"])
-p.add_argument("--baselines", nargs="+", default=["imp", "imp_mx", "imp_reprune"])
+p.add_argument(
+    "--soup-options", default=None, help='soup methods\' options as JSON, e.g. \'{"ties": {"density": 0.5}}\''
+)
+p.add_argument("--baselines", nargs="*", default=["imp", "imp_mx", "imp_reprune"])
 p.add_argument("--seeding", choices=["independent", "offset"], default="independent")
 p.add_argument("--no-augment", action="store_true", help="No random shifts: the data order is the only randomness.")
 p.add_argument("--width", type=int, default=32)
@@ -87,6 +90,7 @@ for seed in cli.seeds:
                 disable_tqdm=True,
                 report_to="none",
                 merge_methods=cli.merge_methods,
+                soup_options=cli.soup_options,
                 baselines=cli.baselines,
             )
             runner = SparseModelSoup(copy.deepcopy(dense), args, train, accuracy, eval_dataset=val, test_dataset=test)

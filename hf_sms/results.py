@@ -35,6 +35,27 @@ ROW_NAMES = {
 }
 
 
+def row_name(method: str) -> str:
+    """A row's label: the known ones, ``sms_ties`` as "SMS (ties)", a later soup trajectory's candidate rows
+    (``mean_candidate_ties``) as "mean candidate (ties trajectory)"."""
+    if method in ROW_NAMES:
+        return ROW_NAMES[method]
+    if method.startswith("sms_"):
+        return f"SMS ({method[4:]})"
+    base = next(
+        (b for b in ("best_candidate_by_test", "best_candidate", "mean_candidate") if method.startswith(b + "_")), None
+    )
+    return f"{ROW_NAMES[base]} ({method[len(base) + 1 :]} trajectory)" if base else method
+
+
+def _order(methods) -> list[str]:
+    """Known rows first (SMS rows of other soups after the greedy one), then the rest by name."""
+    known = [m for m in ROW_ORDER if m in methods]
+    soups = sorted(m for m in methods if m.startswith("sms_") and m not in known)
+    at = known.index("sms_greedy") + 1 if "sms_greedy" in known else int("sms_uniform" in known)
+    return known[:at] + soups + known[at:] + sorted(set(methods) - set(known) - set(soups))
+
+
 def value(row: dict, split: str) -> float | None:
     """A row's score on ``split``: "val", "test" (the first test set) or any named test set."""
     return row[split] if split in ("val", "test") else row.get("tests", {}).get(split)
@@ -73,8 +94,8 @@ def format_table(runs: list[dict], split: str = "test") -> str:
     lines = [head, "|" + "---|" * (len(phases) + 1), _achieved(runs[0], len(phases))]
     if dense:  # the paper's "unpruned" value, the same for every phase
         lines.append(f"| dense (unpruned) | {_cell(dense)} |" + " |" * (len(phases) - 1))
-    for method in [m for m in ROW_ORDER if m in table] + sorted(set(table) - set(ROW_ORDER)):
-        lines.append(f"| {ROW_NAMES.get(method, method)} | " + " | ".join(_cell(c) for c in table[method]) + " |")
+    for method in _order(table):
+        lines.append(f"| {row_name(method)} | " + " | ".join(_cell(c) for c in table[method]) + " |")
     return "\n".join(lines)
 
 
@@ -113,7 +134,7 @@ def speedup_report(runs: list[dict]) -> str:
         return f"{statistics.mean(values):.2f}x" if values else missing
 
     lines = [
-        f"| {ROW_NAMES.get(name, name)}: speedup | " + " | ".join(f"phase {i + 1}" for i in range(len(phases))) + " |",
+        f"| {row_name(name)}: speedup | " + " | ".join(f"phase {i + 1}" for i in range(len(phases))) + " |",
         "|" + "---|" * (len(phases) + 1),
         "| in FLOPs | " + " | ".join(cell(c, "-") for c in flops) + " |",
         "| measured | " + " | ".join(cell(c, "not measured") for c in measured) + " |",
@@ -160,7 +181,7 @@ def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, y
                 continue
             means = [statistics.mean(c) for c in cols]
             stds = [statistics.stdev(c) if len(c) > 1 else 0.0 for c in cols]
-            ax.errorbar(phases, means, yerr=stds, marker="o", capsize=3, label=ROW_NAMES.get(method, method))
+            ax.errorbar(phases, means, yerr=stds, marker="o", capsize=3, label=row_name(method))
         ax.set_title(split)
         ax.set_xlabel("sparsity (%)")
         ax.set_ylabel(ylabel)
