@@ -12,8 +12,13 @@ from transformers.trainer_utils import has_length
 
 from ..batchnorm import forward_batch
 from ..data import peek
-from ..pruning.prunable import accepts_labels, check_weights_loaded, prunable_tensors, unfused_attention
-from ..shrinking.shrink import parameter_count
+from ..pruning.prunable import (
+    accepts_labels,
+    check_weights_loaded,
+    parameter_count,
+    prunable_tensors,
+    unfused_attention,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -92,6 +92,11 @@ def _registration_uses(model: nn.Module) -> dict[int, list[Use]]:
     return uses
 
 
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of ``model``, tied ones counted once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def check_weights_loaded(model: nn.Module) -> None:
     """Raise, with the reason, where ``model`` has parameters on the meta device (built without weights)."""
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]

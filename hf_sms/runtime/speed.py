@@ -15,8 +15,7 @@ from accelerate.utils import send_to_device
 from torch import nn
 
 from ..batchnorm import forward_batch
-from ..pruning.prunable import accepts_labels
-from ..shrinking.shrink import parameter_count
+from ..pruning.prunable import accepts_labels, parameter_count
 from .convert import to_sparse_runtime
 from .layers import weight_bytes
 from .timing import time_pair_spread

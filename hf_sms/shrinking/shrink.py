@@ -13,18 +13,13 @@ from torch import nn
 
 from ..batchnorm import forward_batch
 from ..pruning.graph import trace_units
-from ..pruning.prunable import accepts_labels, unfused_attention
+from ..pruning.prunable import accepts_labels, parameter_count, unfused_attention
 from ..pruning.units import UnitGroup, removed_units, unit_report
 from .cut import cut_in_place, cut_state_dict, kept_index
 from .families import FAMILY_CONFIGS, config_family
 from .fit import fit, pad, states_itself
 
 KINDS = ("filters", "neurons", "heads")
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Parameters of ``model``, tied ones counted once."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def kinds_of(structure) -> tuple[str, ...]:
