@@ -88,6 +88,18 @@ def test_random_follows_its_seed_and_wanda_reads_the_inputs():
     assert any(not torch.equal(wanda[n], magnitude[n]) for n in wanda)
 
 
+def test_wanda_compares_within_a_layer_and_refuses_a_global_threshold():
+    """Its scores scale with each layer's input norms: one global threshold pruned a LLaMA's embedding, o_proj and
+    down_proj to 100% (a test perplexity of exactly the vocabulary size). It allocates per layer by default."""
+    entry = ZOO["llama"]
+    model, batch = entry.make(), entry.batch()
+    assert hf_sms.resolve_pruning(criterion="wanda").allocation == "uniform"
+    masks = compute_masks(model, 0.5, criterion="wanda", example_inputs=batch)
+    assert all(abs(1 - m.float().mean().item() - 0.5) < 0.01 for m in masks.values())  # no layer emptied
+    with pytest.raises(ValueError, match="removes whole\\s+layers|one global threshold removes whole"):
+        compute_masks(model, 0.5, "global", criterion="wanda", example_inputs=batch)
+
+
 def test_units_default_to_li_et_al_l2_norm_and_uniform_allocation():
     plan = hf_sms.resolve_pruning(structure="neurons")
     assert (plan.allocation, plan.criterion, plan.units) == ("uniform", "l2", "units")

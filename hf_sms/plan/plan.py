@@ -147,8 +147,15 @@ def resolve_pruning(
     units = found.units == "units"
     criterion = criterion or ("l2" if units else "magnitude")
     CRITERIA.get(criterion)
-    allocation = allocation or ("uniform" if units else "global")
+    per_layer = CRITERIA.meta(criterion).get("per_layer", False)  # its scores are comparable within a layer only
+    allocation = allocation or ("uniform" if units or per_layer else "global")
     get_allocation(allocation)
+    if per_layer and allocation == "global":
+        raise ValueError(
+            f"criterion={criterion!r} scores scale with each layer's inputs, so one global threshold removes whole "
+            "layers (an embedding, o_proj, down_proj: 100% pruned); compare within each layer as its paper does: "
+            "allocation='uniform' (the default for it), or 'erk' / 'uniform_plus'"
+        )
     if units and allocation != "uniform":
         raise ValueError(
             f"structure={found.name!r} removes the same fraction of units from every layer, so the smaller model "

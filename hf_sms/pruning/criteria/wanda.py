@@ -39,11 +39,12 @@ def input_norms(model: nn.Module, example_inputs) -> dict[int, torch.Tensor]:
     return {k: v.sqrt() for k, v in sums.items()}
 
 
-@register_criterion("wanda", needs_inputs=True)
+@register_criterion("wanda", needs_inputs=True, per_layer=True)
 def wanda(tensors, weights, context):
     """Wanda (Sun et al. 2024): ``|w_ij| * ||x_j||_2``, a weight times the norm of the input feature it reads over
     ``context.example_inputs``. Linear layers the batch reaches only; other weights (convs, embeddings) score
-    ``|w|``."""
+    ``|w|``. The scores compare within a layer only (``per_layer``): a run with it allocates per layer (``uniform``
+    by default; ``global`` is refused, it pruned whole layers whose inputs are small)."""
     if context.example_inputs is None:
         raise ValueError("criterion='wanda' scores weights by their inputs: pass a batch as example_inputs")
     norms = input_norms(context.model, context.example_inputs)
