@@ -13,15 +13,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint.sparse import save_sparse
+from .pruning.masks import is_sharded
 from .soup.averaging import Accumulator
 
 
-def _is_sharded(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_sharded(t) else t
+    return t.to_local() if is_sharded(t) else t
 
 
 def local_state(model: nn.Module, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -64,7 +61,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     main = not dist.is_initialized() or dist.get_rank() == 0
     out = {}
     for name, t in model.state_dict().items():
-        full = t.full_tensor() if _is_sharded(t) else t
+        full = t.full_tensor() if is_sharded(t) else t
         if main:
             out[name] = full.detach().to("cpu", copy=True)
         del full

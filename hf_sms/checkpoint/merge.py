@@ -252,10 +252,8 @@ def merge_checkpoints(
     spec = _check_request(inputs, output, method, format, overwrite, weights, 1 if _copy else 2, base)
     seen = {"options": spec.resolve(method, options), "seed": seed, "base": None}
     ckpts = [SparseCheckpoint(d) for d in inputs]
-    if base is not None:
-        seen["base"] = SparseCheckpoint(base)
-        _check_same_architecture([*ckpts, seen["base"]])
-    _check_same_architecture(ckpts)
+    seen["base"] = SparseCheckpoint(base) if base is not None else None
+    _check_same_architecture([*ckpts, seen["base"]] if base is not None else ckpts)
     _check_same_masks(ckpts)  # Step 1: refuse before writing anything
     ref = ckpts[0]
     if weights is None:

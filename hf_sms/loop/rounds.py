@@ -184,7 +184,7 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
             sparsity=spec.sparsity,
             reprune=lambda model, sparsity: plan.masks(model, sparsity, example_inputs=example),
             base=spec.start if spec.shared else None,  # the pruned start every replica retrained from
-            options=ctx.args.soup_options.get(spec.soup) if ctx.args.soup_options else None,
+            options=ctx.args.soup_options.get(spec.soup),
             seed=derive_seed(ctx.args.seed, "soup", spec.folder),
         )
         kept = [i for i, w in enumerate(weights) if w]

@@ -192,7 +192,9 @@ class SparseModelSoup:
                     dense=self.pretrained,
                     plan=a.plan,
                     example=self.example,
-                    checks=other_batches(self.eval_dataset, a.per_device_eval_batch_size, self.collate),
+                    checks=other_batches(self.eval_dataset, a.per_device_eval_batch_size, self.collate)
+                    if a.plan.cuts_units
+                    else (),  # only a smaller model can take a branch the pruned one did not
                     recipe=self.recipe(),
                     metrics=self.recorder.final_metrics(),
                     processing_class=self.processing_class,

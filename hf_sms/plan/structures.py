@@ -135,14 +135,11 @@ class Units(Structure):
             return groups
         stated = _stated(model, example_batch(model, batch), groups, self.kinds)
         left = [g.name for g, ok in zip(groups, stated) if not ok]
-        if left and (architecture_key(model), tuple(left)) not in _TOLD:  # once per architecture and process
-            _TOLD.add((architecture_key(model), tuple(left)))
-            logger.warning(
-                "[hf-sms] fit_config=True leaves %d of %d %s groups dense, since %s's config cannot state their "
-                "widths: %s. Reported unit fractions count every unit; fit_config=False prunes them too (a smaller "
-                "model only hf-sms rebuilds).",
-                len(left), len(groups), "/".join(self.kinds), type(model).__name__, ", ".join(left[:6]),
-            )  # fmt: skip
+        _tell_once(
+            model, left, "fit_config=True leaves %d of %d %s groups dense, since %s's config cannot state their "
+            "widths: %s. Reported unit fractions count every unit; fit_config=False prunes them too (a smaller model "
+            "only hf-sms rebuilds).", len(left), len(groups), "/".join(self.kinds), type(model).__name__,
+        )  # fmt: skip
         return [g for g, ok in zip(groups, stated) if ok]
 
     def masks(self, plan, model, tensors, scores, current, sparsity, batch):
@@ -284,17 +281,22 @@ def _same_in_train_mode(model: nn.Module, batch, kinds) -> list[UnitGroup]:
     except ValueError:
         return groups
     left = [g.name for g in groups if _group_key(g) not in train]
-    if left and (architecture_key(model), "train", tuple(left)) not in _TOLD:
-        _TOLD.add((architecture_key(model), "train", tuple(left)))
-        logger.warning(
-            "[hf-sms] %s: %d unit group(s) are read by code only training runs, which an eval-mode forward does not "
-            "show, so they stay dense: %s",
-            type(model).__name__, len(left), ", ".join(left[:6]),
-        )  # fmt: skip
+    _tell_once(
+        model, left, "%s: %d unit group(s) are read by code only training runs, which an eval-mode forward does not "
+        "show, so they stay dense: %s", type(model).__name__, len(left),
+    )  # fmt: skip
     return [g for g in groups if _group_key(g) in train]
 
 
-_TOLD: set = set()  # the groups fit_config left dense, said once
+_TOLD: set = set()  # the groups left dense, said once per architecture and process
+
+
+def _tell_once(model: nn.Module, left: list[str], message: str, *args) -> None:
+    """Log ``message`` (its last ``%s``: the first names in ``left``) once per architecture and list of groups."""
+    key = (architecture_key(model), message, tuple(left))
+    if left and key not in _TOLD:
+        _TOLD.add(key)
+        logger.warning("[hf-sms] " + message, *args, ", ".join(left[:6]))
 
 
 def _stated(model: nn.Module, batch, groups: list[UnitGroup], kinds) -> list[bool]:

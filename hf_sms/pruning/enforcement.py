@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .masks import placed, validate_masks
+from .masks import is_sharded, placed, validate_masks
 from .prunable import Masks
 
 
@@ -164,7 +164,7 @@ class MaskingPolicy:
         params = self.enforcer.all_params
         counts = [(p == 0).sum() for p in params]
         # FSDP2: each process counts its shard; the sum over processes (every process logs, in step) is the model's
-        zeros = sum(int(c.full_tensor() if type(c).__name__ == "DTensor" else c) for c in counts)
+        zeros = sum(int(c.full_tensor() if is_sharded(c) else c) for c in counts)
         return zeros / max(sum(p.numel() for p in params), 1)
 
 

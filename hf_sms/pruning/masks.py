@@ -41,10 +41,15 @@ def validate_masks(model: nn.Module, masks: Masks) -> dict[str, PrunableTensor]:
     return tensors
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    """A tensor of a model sharded by FSDP2 (a ``DTensor``), without importing torch.distributed."""
+    return type(t).__name__ == "DTensor"
+
+
 def placed(mask: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``mask`` where ``param`` lives: on its device and, for a parameter sharded by FSDP2 (a ``DTensor``), sharded
     like it (its mesh and placements; each process cuts its own shard of the full mask, no communication)."""
-    if type(param).__name__ == "DTensor" and type(mask).__name__ != "DTensor":
+    if is_sharded(param) and not is_sharded(mask):
         from torch.distributed.tensor import distribute_tensor
 
         mask = distribute_tensor(mask.to(param.device), param.device_mesh, param.placements, src_data_rank=None)

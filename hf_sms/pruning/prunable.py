@@ -171,6 +171,29 @@ def unfused_attention():
         torch.backends.mha.set_fastpath_enabled(enabled)
 
 
+@contextmanager
+def train_forward(model: nn.Module):
+    """``model`` in train mode with its dropout modules off, for one forward whose effects are undone: buffers
+    (BatchNorm statistics), modes and the random state are restored; draws inside (stochastic depth) start from
+    seed 0, so two models of the same shapes draw alike."""
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+    was_training = model.training
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.eval()
+    device = next(model.parameters()).device
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            yield
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(saved[n])
+
+
 def accepts_labels(model: nn.Module) -> bool:
     # Seq2seq models derive their decoder inputs from labels, so they must get them when they take them.
     params = inspect.signature(model.forward).parameters.values()

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..batchnorm import forward_batch
 from ..pruning.graph import trace_units
-from ..pruning.prunable import accepts_labels, parameter_count, unfused_attention
+from ..pruning.prunable import accepts_labels, parameter_count, train_forward, unfused_attention
 from ..pruning.units import UnitGroup, removed_units, unit_report
 from .cut import cut_in_place, cut_state_dict, kept_index
 from .families import FAMILY_CONFIGS, config_family
@@ -69,31 +69,21 @@ def same_outputs(model: nn.Module, smaller: nn.Module, batch, rtol: float = 1e-4
 
 @torch.no_grad()
 def train_output(model: nn.Module, example_inputs) -> torch.Tensor:
-    """``model``'s main output in train mode (dropout modules off); an error carries the last module entered
-    (``hf_sms_module``); buffers (BatchNorm statistics) and modes are restored."""
-    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
-    was_training, entered = model.training, [None]
-    modules = [(n, m) for n, m in model.named_modules() if n]
-    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: entered.__setitem__(0, n)) for n, m in modules]
-    model.train()
-    for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            m.eval()
-    device = next(model.parameters()).device
-    try:  # one seed for both models: stochastic depth and other draws of the same shapes match
-        with unfused_attention(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(0)
-            out = forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))
-            return _output(out).float()
+    """``model``'s main output in train mode (:func:`~hf_sms.pruning.prunable.train_forward`: dropout modules off,
+    buffers and modes restored); an error carries the last module entered (``hf_sms_module``)."""
+    entered = [None]
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: entered.__setitem__(0, n))
+             for n, m in model.named_modules() if n]  # fmt: skip
+    try:
+        with unfused_attention(), train_forward(model):
+            device = next(model.parameters()).device
+            return _output(forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))).float()
     except (RuntimeError, ValueError, IndexError) as e:
         e.hf_sms_module = entered[0]
         raise
     finally:
         for h in hooks:
             h.remove()
-        model.train(was_training)
-        for n, b in model.named_buffers():
-            b.copy_(saved[n])
 
 
 def _check_train_mode(model: nn.Module, smaller: nn.Module, batch) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from ...batchnorm import forward_batch
-from ..prunable import accepts_labels, prunable_tensors, unfused_attention
+from ..prunable import accepts_labels, prunable_tensors, train_forward, unfused_attention
 from ..units import Member, UnitGroup
 from .labels import CHANNELWISE, CONSUMER, PRODUCER, _output_tensors
 from .recorder import Recorder
@@ -168,14 +169,10 @@ def _trace(model: nn.Module, batch, train: bool = False) -> Trace:
         names.setdefault(id(b), n)
     recorder = Recorder(names)
     was_training = model.training
-    saved = {n: b.detach().clone() for n, b in model.named_buffers()} if train else {}
-    model.train(train)
-    for m in model.modules() if train else ():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            m.eval()
+    model.eval()
     try:
         device = next(model.parameters()).device
-        with unfused_attention(), recorder, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with unfused_attention(), train_forward(model) if train else contextlib.nullcontext(), recorder:
             try:
                 out = forward_batch(model, batch, device, keep_labels=accepts_labels(model))
             except Exception as e:
@@ -188,9 +185,6 @@ def _trace(model: nn.Module, batch, train: bool = False) -> Trace:
                 recorder.s.pin(space, "the model's output")
     finally:
         model.train(was_training)
-        with torch.no_grad():
-            for n, b in model.named_buffers() if train else ():
-                b.copy_(saved[n])
     return _units(model, recorder)
 
 
