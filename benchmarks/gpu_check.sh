@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check on a lent GPU machine (H200, 2026-11-28: a 100 s, b 37 s, c 40 s, d over 100 s, e 9 s,
-# f 230 s: about 9 minutes, so a 15-minute lease runs it once; pass the wanted steps first); record what it prints in
-# docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny versions of every step (tests/test_gpu_check.py).
+# f 230 s; g ~30 s on a CPU, not yet run on a GPU: about 9.5 minutes, so a 15-minute lease runs it once; pass the
+# wanted steps first); record what it prints in docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny
+# versions of every step (tests/test_gpu_check.py).
 #
 #   bash benchmarks/gpu_check.sh            # a CUDA GPU (compute capability >= 8.0 for the 2:4 rows)
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: checks that every step runs
@@ -17,14 +18,15 @@
 #     with the GPU busy (256 sequences x 128 tokens, 256 images: T5-small, ResNet-50, MaxViT, EfficientNet-B0), and
 #     under CUDA graphs (torch.compile mode="reduce-overhead") at batch 64; (e) FFN widths at and off multiples of
 #     8 in bf16 (SparseSoupConfig.unit_multiple); (f) peak CUDA memory and time of one SMS phase (m = 3) with full
-#     replicas vs bias_norm / mask_lora / scale_lora on a LLaMA-shaped model of ~110M parameters (issue 35).
+#     replicas vs bias_norm / mask_lora / scale_lora on a LLaMA-shaped model of ~110M parameters (issue 35);
+#     (g) BatchNorm recalibration behind dropout on 1, 2, 3 processes sharing the GPU: the same statistics (issue 37).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1 && shift
 STEPS=("$@")
-[[ ${#STEPS[@]} == 0 ]] && STEPS=(a b c d e f)
+[[ ${#STEPS[@]} == 0 ]] && STEPS=(a b c d e f g)
 PY=${PYTHON:-python3}
 "$PY" - <<'EOF'
 import importlib, sys
@@ -100,8 +102,17 @@ step_f() {
   fi
 }
 
+step_g() {
+  echo "== (g) BatchNorm statistics on 1, 2, 3 processes, dropout before BatchNorm =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/batchnorm_processes.py
+  else
+    "$PY" benchmarks/batchnorm_processes.py --device cuda
+  fi
+}
+
 # each step in its own `bash -e` (errexit holds inside it), at most STEP_TIMEOUT seconds (0: no limit)
-export -f step_a step_b step_c step_d step_e step_f
+export -f step_a step_b step_c step_d step_e step_f step_g
 export DRY PY OUTDIR
 failed=()
 for step in "${STEPS[@]}"; do

@@ -51,12 +51,16 @@ def _takes_positional(model: nn.Module, n: int) -> bool:
 
 
 @torch.no_grad()
-def batchnorm_sums(model: nn.Module, batches: Iterable) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+def batchnorm_sums(
+    model: nn.Module, batches: Iterable, seeds: Iterable[int] | None = None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
     """``{BatchNorm name: (sum of batch means, sum of batch variances, batches)}`` over ``batches``, in float64.
 
     Forward passes run in train mode without gradients; each BatchNorm call contributes the mean and unbiased
     variance its train-mode forward computes (read from its running statistics under ``momentum=1``). Sums of
-    several processes' batches add up to one process's over all of them.
+    several processes' batches add up to one process's over all of them. ``seeds`` (one per batch) seed torch's
+    generators (CPU and every GPU) before each forward, so dropout and stochastic depth draw alike in whichever
+    process runs the batch.
     """
     bns = {name: m for name, m in model.named_modules() if isinstance(m, _BN) and m.track_running_stats}
     sums = {name: [_zeros(bn), _zeros(bn), 0] for name, bn in bns.items()}
@@ -77,7 +81,9 @@ def batchnorm_sums(model: nn.Module, batches: Iterable) -> dict[str, tuple[torch
     device = next(model.parameters()).device
     model.train()
     try:
-        for batch in batches:
+        for batch, seed in zip(batches, seeds if seeds is not None else itertools.repeat(None)):
+            if seed is not None:
+                torch.manual_seed(seed)
             forward_batch(model, batch, device)
     finally:
         for handle in handles:
@@ -94,18 +100,21 @@ def _zeros(bn: nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def recalibrate_batchnorm(model: nn.Module, batches: Iterable, max_batches: int | None = None, world=None) -> nn.Module:
+def recalibrate_batchnorm(
+    model: nn.Module, batches: Iterable, max_batches: int | None = None, world=None, seeds: Iterable[int] | None = None
+) -> nn.Module:
     """Reset every BatchNorm's running statistics and recompute them over ``batches``.
 
     The statistics are exact cumulative averages over the batches (what ``momentum=None`` gives, summed in
     float64), not exponential ones. Models without BatchNorm are returned untouched. ``batches`` should be the
     training data in a fixed order. ``world`` (``size``, ``all_gather``): the processes that share the pass, each
-    with its own share of the batches; every one gets the statistics of all of them.
+    with its own share of the batches; every one gets the statistics of all of them. ``seeds``: one per batch, set
+    before its forward (see :func:`batchnorm_sums`); the caller's generators are then left changed.
     """
     bns = {name: m for name, m in model.named_modules() if isinstance(m, _BN) and m.track_running_stats}
     if not bns:
         return model
-    sums = batchnorm_sums(model, itertools.islice(batches, max_batches))
+    sums = batchnorm_sums(model, itertools.islice(batches, max_batches), seeds)
     if world is not None and world.size > 1:
         parts = world.all_gather(sums)
         sums = {name: tuple(sum(p[name][k] for p in parts) for k in range(3)) for name in sums}

@@ -25,6 +25,7 @@ def test_gpu_check_and_the_scripts_it_calls_parse():
         "benchmarks/mask_overhead.py",
         "benchmarks/unit_multiple.py",
         "benchmarks/replica_memory.py",
+        "benchmarks/batchnorm_processes.py",
     } <= called
     for path in called:
         py_compile.compile(str(ROOT / path), doraise=True)
@@ -43,6 +44,8 @@ def test_gpu_check_dry_run():
         "== (d)",
         "== (e)",
         "== (f)",
+        "== (g)",
+        "3 processes vs 1, largest running-statistic difference 0\n",
         "masks exact after every run",
         "gpu_check done",
     ):

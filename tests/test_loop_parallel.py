@@ -165,8 +165,8 @@ def test_killed_run_resumes_to_the_same_soup(sequential, tmp_path, nproc, marker
 
 def test_evaluation_is_shared_by_two_and_three_processes_with_identical_values(tmp_path):
     """Accuracy, subgroup recall, the mean over corrupted sets, mean IoU, BLEU (generate), an evaluate module and
-    BatchNorm statistics over augmented data: each process reads its share of the batches, nothing twice, and every
-    process gets the one-process value to the last digit."""
+    BatchNorm statistics over augmented data, also behind dropout with loader workers: each process reads its share
+    of the batches, nothing twice, and every process gets the one-process value to the last digit."""
     (tmp_path / "top1.py").write_text(TOP1_METRIC_SCRIPT)
     runs = {}
     for n in (1, 2, 3):

@@ -11,6 +11,7 @@ A plain ``metric(model, dataset) -> float`` cannot be combined: the main process
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from transformers.trainer_utils import has_length
 
 from ..batchnorm import recalibrate_batchnorm
 from ..data import SeededItems, kept_randomness
+from ..seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 _NOTED: set[str] = set()
@@ -148,16 +150,20 @@ def recalibrate_shared(
 ) -> nn.Module:
     """BatchNorm recalibration (:func:`hf_sms.recalibrate_batchnorm`) over ``dataset`` in batches of ``batch_size``
     (the first ``max_batches``), the batches dealt out to ``world``'s processes as for evaluation. Each batch is read
-    under seeds derived from ``(seed, its first item)``, so random augmentation is the same whoever reads it, and
-    every process gets the statistics one process computes. A stream is read by the main process alone."""
+    under seeds derived from ``(seed, its first item)`` and run under one derived from ``(seed, its index)``, so random
+    augmentation, dropout and stochastic depth draw the same whoever reads and runs it (loader workers or not, CPU or
+    GPU), and every process gets the statistics one process computes. A stream is read by the main process alone."""
     world = world or OneProcess()
-    data, limit = SeededItems(dataset, seed, batch_size), max_batches
+    data, limit, batches = SeededItems(dataset, seed, batch_size), max_batches, itertools.count()
     if not has_length(dataset):  # a stream: its batches cannot be dealt out
         data = dataset if world.is_main else []
     elif world.size > 1:
         n = len(data) if limit is None else min(len(data), limit * batch_size)
-        data, limit = Subset(data, owned_batches(n, batch_size, world.rank, world.size)[1]), None
+        batches, indices = owned_batches(n, batch_size, world.rank, world.size)
+        data, limit = Subset(data, indices), None
     loader = DataLoader(data, batch_size, collate_fn=collate_fn or default_data_collator, **(loader_kwargs or {}))
-    with kept_randomness():  # the caller's generators are left as they were
+    seeds = (derive_seed(seed, "batchnorm", b) for b in batches)  # batch b's dropout draws, whoever runs it
+    device = next(model.parameters()).device
+    with kept_randomness(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)  # a stream's augmentation stays reproducible
-        return recalibrate_batchnorm(model, loader, limit, world)
+        return recalibrate_batchnorm(model, loader, limit, world, seeds)

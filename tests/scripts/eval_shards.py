@@ -109,4 +109,23 @@ values["plain"] = evaluate(lambda model, data: float(len(data)) + world.rank * 1
 bn = recalibrate_shared(DigitsResNet(width=4), Counted(train), 16, world, seed=3, max_batches=11)
 values["batchnorm"] = {k: v.tolist() for k, v in bn.state_dict().items() if "running" in k or "batches" in k}
 
+
+class DropoutBeforeBN(nn.Module):
+    """Dropout feeding a BatchNorm (the WRN recipe's block): its statistics depend on the dropout draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.drop, self.bn = nn.Conv2d(1, 6, 3), nn.Dropout(0.5), nn.BatchNorm2d(6)
+
+    def forward(self, x):
+        return self.bn(self.drop(self.conv(x)))
+
+
+# loader workers read the items; the dropout draws happen in the process that runs the forward
+net = DropoutBeforeBN()
+torch.manual_seed(5 + world.rank)  # each process's generator elsewhere: the pass must not depend on it
+workers = {"num_workers": 2}
+bn = recalibrate_shared(net, train, 16, world, seed=3, max_batches=7, loader_kwargs=workers)
+values["dropout_bn"] = {k: v.tolist() for k, v in bn.state_dict().items() if "running" in k}
+
 (out / f"rank{world.rank}.json").write_text(json.dumps({"values": values, "reads": reads["n"], "size": world.size}))
