@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
+from .config_checks import check_lengths_and_ranges
 from .plan import PruningPlan, resolve_pruning
 from .pruning.masks import phase_sparsities
 from .registry import (
@@ -26,9 +27,6 @@ from .registry import (
 )
 from .seeding import derive_seed
 from .soup_options import resolve_soup_options
-
-# The trainer's learning-rate modes (see SparseSoupTrainer's ``lr_schedule``).
-LR_SCHEDULES = ("retrain", "original", "pretrain")
 
 
 @dataclass(kw_only=True, repr=False)  # keep TrainingArguments' repr, which masks tokens
@@ -276,55 +274,7 @@ class SparseSoupArguments:
                 except ValueError as e:
                     raise ValueError(f"{field_name}={value!r}: {e}") from None
         self.soup_options = resolve_soup_options(self)
-        if self.pretrain_epochs is not None and not self.pretrain_epochs > 0:
-            raise ValueError(
-                f"pretrain_epochs is the original training's length and must be > 0, got {self.pretrain_epochs}"
-            )
-        if self.replicas_per_phase is not None and (
-            len(self.replicas_per_phase) != self.n_phases
-            or not all(1 <= m <= self.num_replicas for m in self.replicas_per_phase)
-        ):
-            raise ValueError(
-                f"replicas_per_phase={self.replicas_per_phase} needs one m per phase (n_phases={self.n_phases}), "
-                f"each between 1 and num_replicas={self.num_replicas}"
-            )
-        for name in ("replica_seeds", "replica_weight_decays", "replica_learning_rates", "replica_epochs"):
-            values = getattr(self, name)
-            if values is not None and len(values) != self.num_replicas:
-                raise ValueError(
-                    f"{name} has {len(values)} entries but num_replicas={self.num_replicas}; give one per replica"
-                )
-        if self.replica_epochs is not None and self.max_steps > 0:
-            raise ValueError(
-                "replica_epochs varies the retraining length in epochs, but max_steps > 0 fixes it in steps; "
-                "set max_steps=-1 (the default) or drop replica_epochs"
-            )
-        if self.bn_recalibration_batches is not None and (
-            isinstance(self.bn_recalibration_batches, bool)
-            or not isinstance(self.bn_recalibration_batches, int)
-            or self.bn_recalibration_batches < 1
-        ):
-            raise ValueError(
-                f"bn_recalibration_batches={self.bn_recalibration_batches!r} must be a positive number of batches "
-                "(None: the whole training set); recalibrate_bn=False skips the recalibration"
-            )
-        if self.resume not in ("auto", "force"):
-            raise ValueError(f"resume={self.resume!r} is unknown; choose 'auto' or 'force'")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; choose one of {LR_SCHEDULES}")
-        if not 0.0 <= self.retrain_warmup_fraction < 1.0:
-            raise ValueError(f"retrain_warmup_fraction must be in [0, 1), got {self.retrain_warmup_fraction}")
-        if not 0.0 < self.validation_fraction < 1.0:
-            raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
-        method = PRUNING_METHODS.meta(self.pruning_method)  # {} for "imp", the loop itself
-        known_length = self.pretrain_epochs or method.get("original_length", lambda config: None)(self)
-        if self.retrain_schedule in ("lrw", "slr", "allr") and not known_length:
-            raise ValueError(
-                f"retrain_schedule={self.retrain_schedule!r} needs the original training's length: set "
-                "pretrain_epochs (e.g. --pretrain_epochs 90), or use retrain_schedule='llr'"
-            )
-        if self.retrain_schedule == "ft" and self.eta_min <= 0:
-            raise ValueError("retrain_schedule='ft' trains at eta_min, which is 0 here: set pretrain_min_learning_rate")
+        check_lengths_and_ranges(self)
 
     # -- the Hub token never leaves the process ------------------------------------------------------------
     def __getstate__(self) -> dict:

@@ -28,7 +28,7 @@ from .checkpoint.constants import CARD_NAME, MASKS_NAME
 from .checkpoint.sparse import family_of_model
 from .checkpoint.trainer_card import merge_trainer_card
 from .checkpoint.trainer_masks import load_pruning_step, save_masks
-from .config import LR_SCHEDULES
+from .config_checks import LR_SCHEDULES
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy, unwrap_optimizer
 from .pruning.masks import PruningStep, apply_masks, masks_from_model
 from .pruning.prunable import Masks
