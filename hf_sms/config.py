@@ -47,7 +47,8 @@ class SparseSoupArguments:
         sms_start_epoch, lr_schedule. For gmp, dpf and bimp ``num_train_epochs`` is the whole budget.
     Parameters that control the soup:
         num_replicas, replicas_per_phase, replica_seeds, replica_weight_decays, replica_learning_rates, replica_epochs,
-        merge_methods, greedy_keep_ties, recalibrate_bn, validation_fraction, baselines.
+        merge_methods, soup_options, greedy_keep_ties, pairwise_soups, recalibrate_bn, validation_fraction,
+        baselines.
 
     Replica i of phase p (0-based) trains with seed ``derive_seed(seed, "sms", p, i)`` (or
     ``derive_seed(replica_seeds[i], "sms", p)``): independent streams for shuffling, augmentation and
@@ -192,6 +193,13 @@ class SparseSoupArguments:
     )
     greedy_keep_ties: bool = field(
         default=False, metadata={"help": "Greedy soup keeps a candidate that ties the metric (the SMS code's >=)."}
+    )
+    pairwise_soups: bool = field(
+        default=False,
+        metadata={
+            "help": "Also score the uniform soup of every pair of a phase's replicas (recalibrated; validation and "
+            "test): results.json's sms[p].pair_soups and the scatter in results.png, as the paper's appendix."
+        },
     )
     recalibrate_bn: bool = field(
         default=True, metadata={"help": "Recompute BatchNorm statistics on the training data after each merge."}

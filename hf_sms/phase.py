@@ -80,6 +80,7 @@ class PhaseResult:
     owners: list[int] | None = None
     pairwise_l2: list[float] | None = None  # measured where the candidates are not whole models (subset replicas)
     rows: list[dict] | None = None  # a TrackJob's: the measured row of each of its phases
+    pair_soups: list[dict] | None = None  # pairwise_soups: {"pair": [i, j], "val", "test"} per pair of replicas
 
     @property
     def masks(self):

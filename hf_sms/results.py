@@ -163,7 +163,8 @@ def reported_tests(run: dict) -> list[str]:
 
 def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, ylabel: str = "metric") -> None:
     """PNG of each test metric vs sparsity (one panel per test set), one line per method, mean ± std over runs;
-    the dense model is the dashed line."""
+    the dense model is the dashed line. With pair soups (``pairwise_soups``) a last panel scatters each pair's soup
+    against the mean of its two ingredients on the first test set, one colour per phase (the paper's appendix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +172,10 @@ def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, y
 
     splits = splits or reported_tests(runs[0])
     phases = [100 * s for s in runs[0]["phases"]]
-    fig, axes = plt.subplots(1, len(splits), figsize=(6 * len(splits), 4), squeeze=False)
+    pairs = pair_points(runs)
+    fig, axes = plt.subplots(1, len(splits) + bool(pairs), figsize=(6 * (len(splits) + bool(pairs)), 4), squeeze=False)
+    if pairs:
+        _scatter_pairs(axes[0][-1], pairs, ylabel)
     for ax, split in zip(axes[0], splits):
         dense = [value(r["dense"], split) for r in runs if r.get("dense") and value(r["dense"], split) is not None]
         if dense:
@@ -193,6 +197,30 @@ def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, y
             fig.savefig(tmp, dpi=120, format="png")
     finally:
         plt.close(fig)
+
+
+def pair_points(runs: list[dict]) -> dict[int, list[tuple[float, float]]]:
+    """``{phase: [(mean of the two ingredients' test scores, the pair soup's), ...]}`` over every run's pair soups."""
+    points: dict[int, list[tuple[float, float]]] = {}
+    for run in runs:
+        for d in run.get("sms", []):
+            for pair in d.get("pair_soups") or []:
+                ingredients = [d["candidates_test"][i] for i in pair["pair"]]
+                if pair["test"] is not None and None not in ingredients:
+                    points.setdefault(d["phase"], []).append((statistics.mean(ingredients), pair["test"]))
+    return points
+
+
+def _scatter_pairs(ax, pairs: dict[int, list[tuple[float, float]]], label: str) -> None:
+    every = [v for points in pairs.values() for point in points for v in point]
+    ax.plot([min(every), max(every)], [min(every), max(every)], color="gray", linestyle="--", linewidth=1)
+    for phase, points in sorted(pairs.items()):
+        ax.scatter(*zip(*points), s=18, label=f"phase {phase}")
+    ax.set_title("pair soups (test)")
+    ax.set_xlabel(f"mean of the two ingredients, {label}")
+    ax.set_ylabel(f"soup of the pair, {label}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def timeline(run: dict) -> list[dict]:

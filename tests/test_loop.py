@@ -173,3 +173,25 @@ def test_m_may_differ_per_phase(tmp_path, digits):
     assert not (tmp_path / "run" / "sms" / "phase2" / "replica2").exists()
     with pytest.raises(ValueError, match="replicas_per_phase=.*one m per phase"):
         _args(tmp_path, n_phases=2, num_replicas=2, replicas_per_phase=[3, 2])
+
+
+def test_pairwise_soups_score_every_pair_as_its_own_uniform_soup(tmp_path, digits):
+    """pairwise_soups=True: every pair of a phase's 3 replicas gets its uniform soup, recalibrated and scored; each
+    equals the soup made in memory from the two saved replicas (BatchNorm averaged, recalibration off: the soup's own
+    path), and results.png gets the scatter."""
+    from hf_sms import load_sparse, uniform_soup
+    from hf_sms.results import pair_points, plot_results
+
+    train, val, test = digits
+    accuracy = ClassificationAccuracy()
+    args = _args(tmp_path, num_replicas=3, n_phases=1, pairwise_soups=True, recalibrate_bn=False)
+    _, results = run_sms(_net(), args, train, accuracy, eval_dataset=val, test_dataset=test)
+    (diag,) = results["sms"]
+    assert [p["pair"] for p in diag["pair_soups"]] == [[0, 1], [0, 2], [1, 2]]
+    replicas = [load_sparse(str(tmp_path / "run" / "sms" / "phase1" / f"replica{i}"), _net()) for i in range(3)]
+    for pair in diag["pair_soups"]:
+        made = uniform_soup([replicas[i] for i in pair["pair"]])
+        assert pair["val"] == accuracy(made, val) and pair["test"] == accuracy(made, test)
+    assert len(pair_points([results])[1]) == 3
+    plot_results([results], str(tmp_path / "results.png"))
+    assert (tmp_path / "results.png").stat().st_size > 0

@@ -73,11 +73,13 @@ def test_two_processes_give_the_sequential_soup_of_subset_replicas(tmp_path, kin
     and 2 processes are bit-identical, and so are the IMP baseline (same subset) and every row."""
     runs = {n: tmp_path / f"p{n}" for n in (1, 2)}
     for n, out in runs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--replica-params", kind, "--baselines", "imp"))
+        _run(_cmd(n, "sms_digits.py", out, "--replica-params", kind, "--baselines", "imp", "--pairwise"))
     assert _max_diff(_soup(runs[1]), _soup(runs[2])) == 0.0
     seq, par = (json.loads((d / "results.json").read_text()) for d in runs.values())
     assert untimed(par["rows"]) == untimed(seq["rows"]) and par["replica_params"] == kind
-    assert [d["pairwise_l2"] for d in par["sms"]] == [d["pairwise_l2"] for d in seq["sms"]]
+    for key in ("pairwise_l2", "pair_soups"):  # the pair soups of subset replicas too
+        assert [d[key] for d in par["sms"]] == [d[key] for d in seq["sms"]]
+    assert [len(d["pair_soups"]) for d in par["sms"]] == [1, 1]
 
 
 @pytest.mark.parametrize("method", ["gmp", pytest.param("dpf", marks=pytest.mark.slow)])  # 25 s each; GMP in CI
@@ -97,13 +99,16 @@ def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
     # soups that see the phase's start (DARE's seeded drop, Model Stock's angle) gather every candidate
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
     for n, out in outs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--per-phase", "2", "1", "--merge-methods", "dare", "model_stock"))
+        _run(_cmd(n, "sms_digits.py", out, "--per-phase", "2", "1", "--merge-methods", "dare", "model_stock",
+                  "--pairwise"))  # fmt: skip
     # every rank closes the group accelerate opened: left open, gloo's threads can abort the exit (SIGABRT)
     assert [(outs[2] / f"exit-rank{r}.txt").read_text() for r in (0, 1)] == ["closed", "closed"]
     assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
     par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
     assert untimed(par["rows"]) == untimed(seq["rows"]) and [len(d["candidates_val"]) for d in par["sms"]] == [2, 1] * 2
     assert {"sms_dare", "sms_model_stock"} <= set(par["rows"])
+    assert [d["pair_soups"] for d in par["sms"]] == [d["pair_soups"] for d in seq["sms"]]  # every process scores
+    assert [len(d["pair_soups"]) for d in par["sms"]] == [1, 0] * 2  # m = 2, then 1: no pair
 
 
 # smp (32 s) with -m slow: its 2-process run is also the PSPNet smoke run's (tests/test_smoke.py), in CI

@@ -153,6 +153,8 @@ class Recorder:
             "seconds": round(result.seconds, 3),
             "eval_seconds": round(self.eval_seconds, 3),  # the soup's validation and test sets
         }
+        if result.pair_soups is not None:  # pairwise_soups: each pair's soup beside its two ingredients
+            diag["pair_soups"] = result.pair_soups
         self.results["sms"].append(diag)
         # in trajectory order, then phase: trajectories that run side by side record the same list as in turn
         order = {t: k for k, t in enumerate(dict.fromkeys(d["trajectory"] for d in self.results["sms"]))}

@@ -15,6 +15,7 @@ run resumes whatever jobs had finished.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from ..checkpoint.constants import REPLICA_STATE, SPARSITY_NAME
 from ..phase import PhaseResult, PhaseSpec, TrackJob
 from ..pruning.masks import PruningStep
 from ..seeding import derive_seed
+from ..soup.method import SoupMethod, indicator_weights
 from ..soup.soup import soup
 from .schedule import job_steps, place
 
@@ -170,7 +172,15 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
         )
         kept = [i for i, w in enumerate(weights) if w]
         pairwise = replica_distances(spec.start, states, ctx.args, template)
-        return PhaseResult(result, candidates, val, kept, step, pairwise_l2=pairwise)
+        pairs = _pair_soups(
+            ctx, n, lambda pair: subset_soup(spec.start, states, pair, ctx.args, val, None, ctx.recalibrate, template)
+        )
+        return PhaseResult(result, candidates, val, kept, step, pairwise_l2=pairwise, pair_soups=pairs)
+    pairs = None
+    if spec.soup is not None and spec.shared:
+        pairs = _pair_soups(
+            ctx, len(val), lambda pair: soup(candidates, pair, template=spec.start, world=world, scores=val)
+        )
     if spec.soup is not None:
         result, weights = soup(
             candidates,
@@ -188,7 +198,22 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
             seed=derive_seed(ctx.args.seed, "soup", spec.folder),
         )
         kept = [i for i, w in enumerate(weights) if w]
-    return PhaseResult(result, candidates, val, kept, step)
+    return PhaseResult(result, candidates, val, kept, step, pair_soups=pairs)
+
+
+def _pair_soups(ctx, n: int, make) -> list[dict] | None:
+    """With ``pairwise_soups``: the uniform soup of every pair of the phase's n replicas (``make(method) -> (soup,
+    weights)``), BatchNorm recalibrated, scored on validation and the first test set: the paper's scatter of each
+    pair's soup against its two ingredients. Every process builds and scores each pair together."""
+    if not ctx.args.pairwise_soups:
+        return None
+    out = []
+    for pair in itertools.combinations(range(n), 2):
+        select = SoupMethod(lambda scores, trial, config, pair=pair: indicator_weights(pair, n))
+        model = ctx.recalibrate(make(select)[0])
+        val = ctx.recorder.evaluate(model, ctx.eval_dataset, shared=True)
+        out.append({"pair": list(pair), "val": val, "test": ctx.recorder.test_scores(model, shared=True)["test"]})
+    return out
 
 
 def _record(kind: str, t0: float, ctx, **extra) -> dict:

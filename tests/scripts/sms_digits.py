@@ -26,6 +26,7 @@ parser.add_argument("--pruning-method", default="imp", help="imp, or gmp/dpf (th
 parser.add_argument("--merge-methods", nargs="*", default=None, help="soup methods (default: greedy; DPF: uniform)")
 parser.add_argument("--share", action="store_true", help="share_idle_groups: a lone last job over idle groups")
 parser.add_argument("--replica-params", default="all", help="what a replica trains (all, bias_norm, mask_lora, ...)")
+parser.add_argument("--pairwise", action="store_true", help="pairwise_soups: score every pair's soup")
 parser.add_argument("--eval-copies", type=int, default=1, help="validation and test sets repeated (benchmarks)")
 cli = parser.parse_args()
 
@@ -57,6 +58,7 @@ args = SparseSoupConfig(
     share_idle_groups=cli.share,
     replica_params=cli.replica_params,
     lora_rank=2,
+    pairwise_soups=cli.pairwise,
 )
 noisy = TensorDictDataset(
     test.x + 0.3 * torch.randn(test.x.shape, generator=torch.Generator().manual_seed(0)), test.labels
