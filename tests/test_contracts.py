@@ -19,6 +19,7 @@ from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.methods.common import MethodContext
 from hf_sms.pruning import masks_from_model
 from hf_sms.soup import soup, uniform_soup
+from hf_sms.soup.learned import FitData
 
 FAMILY_MODELS = {
     "transformers": make_t5,
@@ -61,6 +62,8 @@ def test_every_soup_keeps_the_mask_and_its_promises(name):
         return -float((model(x) - target).pow(2).mean())
 
     scores = [evaluate(r) for r in replicas]
+    rows = [{"x": x[i], "labels": target[i]} for i in range(len(x))]  # held-out data for a method that learns
+    fit = FitData(rows, 8, torch.utils.data.default_collate, lambda m, b: (m(b["x"]) - b["labels"]).pow(2).mean())
     result, weights = soup(
         replicas,
         name,
@@ -69,6 +72,7 @@ def test_every_soup_keeps_the_mask_and_its_promises(name):
         sparsity=0.7,
         reprune=lambda m, s: compute_masks(m, s, "uniform"),
         base=start if method.needs_base else None,
+        fit=fit if method.fit else None,
     )
     assert len(weights) == len(replicas) and any(weights)
     got = masks_from_model(result)

@@ -100,15 +100,15 @@ def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
     for n, out in outs.items():
         _run(_cmd(n, "sms_digits.py", out, "--per-phase", "2", "1", "--merge-methods", "dare", "model_stock",
-                  "--pairwise"))  # fmt: skip
+                  "learned", "--pairwise"))  # fmt: skip
     # every rank closes the group accelerate opened: left open, gloo's threads can abort the exit (SIGABRT)
     assert [(outs[2] / f"exit-rank{r}.txt").read_text() for r in (0, 1)] == ["closed", "closed"]
     assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
     par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
-    assert untimed(par["rows"]) == untimed(seq["rows"]) and [len(d["candidates_val"]) for d in par["sms"]] == [2, 1] * 2
-    assert {"sms_dare", "sms_model_stock"} <= set(par["rows"])
+    assert untimed(par["rows"]) == untimed(seq["rows"]) and [len(d["candidates_val"]) for d in par["sms"]] == [2, 1] * 3
+    assert {"sms_dare", "sms_model_stock", "sms_learned"} <= set(par["rows"])  # learned: fitted by rank 0, shared
     assert [d["pair_soups"] for d in par["sms"]] == [d["pair_soups"] for d in seq["sms"]]  # every process scores
-    assert [len(d["pair_soups"]) for d in par["sms"]] == [1, 0] * 2  # m = 2, then 1: no pair
+    assert [len(d["pair_soups"]) for d in par["sms"]] == [1, 0] * 3  # m = 2, then 1: no pair
 
 
 # smp (32 s) with -m slow: its 2-process run is also the PSPNet smoke run's (tests/test_smoke.py), in CI

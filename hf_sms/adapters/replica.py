@@ -72,7 +72,7 @@ def check_subset(config) -> None:
             f"subset replicas follow the masks of IMP's phases; pruning_method={config.pruning_method!r} moves masks "
             "while training (frozen weights cannot follow): use pruning_method='imp' or replica_params='all'"
         )
-    linear = [m for m in config.merge_methods if SOUPS.get(m).combine is None and SOUPS.get(m).same_mask]
+    linear = [m for m in config.merge_methods if SOUPS.get(m).weighted_mean]
     if linear != list(config.merge_methods):
         raise ValueError(
             f"merge_methods={config.merge_methods}: subset replicas are souped from their updates, which needs a "

@@ -31,7 +31,7 @@ def subset_soup(
     ``args``, built once for every trial soup."""
     spec = SOUPS.get(method) if isinstance(method, str) else method
     template = template if template is not None else make_replica(start, args)
-    if spec.combine is not None or not spec.same_mask:
+    if not spec.weighted_mean:
         raise ValueError("a soup of subset replicas is a weighted mean under one mask: use uniform or greedy")
 
     def build(weights: list[float]) -> nn.Module:

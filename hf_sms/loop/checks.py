@@ -19,6 +19,7 @@ from ..pruning.prunable import (
     prunable_tensors,
     unfused_attention,
 )
+from ..trainer import SparseSoupMixin
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,13 @@ def check_inputs(args, train_dataset, eval_dataset, metric_fn) -> None:
         )
     if args.push_to_hub:
         check_hub_access(args.hub_token)
+
+
+def check_trainer_class(trainer_class):
+    """``trainer_class`` itself, if it is a :class:`~hf_sms.SparseSoupMixin` class (the mixin keeps the masks)."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, SparseSoupMixin)):
+        raise TypeError(f"trainer_class must be a SparseSoupMixin subclass (it keeps the masks), got {trainer_class}")
+    return trainer_class
 
 
 def check_hub_access(token: str | None) -> None:

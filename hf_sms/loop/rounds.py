@@ -196,6 +196,7 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
             base=spec.start if spec.shared else None,  # the pruned start every replica retrained from
             options=ctx.args.soup_options.get(spec.soup),
             seed=derive_seed(ctx.args.seed, "soup", spec.folder),
+            fit=ctx.fit_data,  # the learned soup's held-out share of validation
         )
         kept = [i for i, w in enumerate(weights) if w]
     return PhaseResult(result, candidates, val, kept, step, pair_soups=pairs)

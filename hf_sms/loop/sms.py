@@ -31,8 +31,8 @@ from ..phase import PhaseResult, PhaseSpec, phase_folder
 from ..pruning.masks import PruningStep, phase_sparsities
 from ..registry import BASELINES, PRUNING_METHODS
 from ..seeding import derive_seed
-from ..trainer import SparseSoupMixin, SparseSoupTrainer
-from .checks import check_inputs, check_model, check_world
+from ..trainer import SparseSoupTrainer
+from .checks import check_inputs, check_model, check_trainer_class, check_world
 from .distributed import ReplicaWorld
 from .final_soup import other_batches, save_final_soup
 from .launcher import restore_launcher_env
@@ -40,6 +40,7 @@ from .recorder import Recorder
 from .replica_training import fit, train_subset
 from .rounds import drive, run_round
 from .run_directory import RunDirectory, run_fingerprint
+from .soup_fit import split_fit_data
 
 logger = logging.getLogger("hf_sms")
 
@@ -90,6 +91,8 @@ class SparseModelSoup:
         show_logs_by_default()  # phase lines and warnings, as the Trainer shows its progress
         if eval_dataset is None:
             train_dataset, eval_dataset = split_validation(train_dataset, args.validation_fraction)  # fixed seed
+        collate = data_collator or default_data_collator  # the learned soup's share of validation, split off:
+        eval_dataset, self.fit_data = split_fit_data(args, eval_dataset, model, collate, compute_loss_func)
         metric_fn = as_metric(metric_fn)  # an evaluate module works as a metric too
         check_inputs(args, train_dataset, eval_dataset, metric_fn)
         self.args = args
@@ -110,12 +113,7 @@ class SparseModelSoup:
         notes = [*(model_card or {}).get("notes", ()), *departures(args)]  # said at the start, on the card, in results
         self.metric_fn, self.processing_class = metric_fn, processing_class
         self.model_card = {**(model_card or {}), **({"notes": notes} if notes else {})}
-        trainer_class = trainer_class or SparseSoupTrainer
-        if not (isinstance(trainer_class, type) and issubclass(trainer_class, SparseSoupMixin)):
-            raise TypeError(
-                f"trainer_class must be a SparseSoupMixin subclass (it keeps the masks), got {trainer_class}"
-            )
-        self.trainer_class = trainer_class
+        self.trainer_class = trainer_class = check_trainer_class(trainer_class or SparseSoupTrainer)
         self.kwargs = dict(  # what a nested run (BIMP's cycles) needs again
             data_collator=data_collator,
             compute_loss_func=compute_loss_func,
@@ -126,7 +124,7 @@ class SparseModelSoup:
         self.trainer_kwargs = {"data_collator": data_collator, "callbacks": list(callbacks or [])}
         if compute_loss_func is not None:
             self.trainer_kwargs["compute_loss_func"] = compute_loss_func
-        self.collate = data_collator or default_data_collator
+        self.collate = collate
         # what every replica and IMP baseline trained (replica_params): the rows compare like with like
         self.results: dict = {"rows": {}, "sms": [], "replica_params": args.replica_params, "notes": notes}
         self.set_phases(phase_sparsities(args.target_sparsity, args.n_phases))

@@ -39,6 +39,9 @@ class Tensors:
 
 # combine(the candidates' tensors of one name, their weights (summing to 1), Tensors) -> the soup's tensor
 Combine = Callable[[list[torch.Tensor], list[float], Tensors], torch.Tensor]
+# fit(every candidate's state dict, the architecture, held-out data, options, seed)
+#   -> {parameter name: one weight per candidate}
+Fit = Callable[[list[dict], object, object, Mapping[str, float], int], dict[str, list[float]]]
 
 
 @dataclass(frozen=True)
@@ -51,15 +54,16 @@ class Option:
     high: float = math.inf
     open_low: bool = False
     help: str = ""
+    integer: bool = False
 
     def check(self, value, method: str) -> float:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
         ok = ok and (value > self.low if self.open_low else value >= self.low) and value <= self.high
-        if not ok:
+        if not ok or (self.integer and value != int(value)):
             bound = "(" if self.open_low else "["
             raise ValueError(
-                f"soup_options[{method!r}][{self.name!r}] must be a number in {bound}{self.low}, {self.high}], got "
-                f"{value!r} ({self.help})"
+                f"soup_options[{method!r}][{self.name!r}] must be {'a whole' if self.integer else 'a'} number in "
+                f"{bound}{self.low}, {self.high}], got {value!r} ({self.help})"
             )
         return float(value)
 
@@ -78,8 +82,11 @@ class SoupMethod:
         needs_base: ``combine`` uses the phase's start (``Tensors.base``): the loop passes the pruned model the
             replicas started from, ``hf-sms merge`` a ``--base`` folder.
         options: the options ``combine`` reads (``SparseSoupConfig.soup_options[name]``), with their defaults.
-        needs_validation: ``select`` evaluates trial soups (so it needs validation data; ``hf-sms merge`` cannot
-            run it).
+        fit: per-parameter weights over the candidates learned from held-out data (the learned soup): each
+            parameter is the mix of the candidates' with its own weights; buffers are the mean. Needs ``fit=`` data
+            in :func:`~hf_sms.soup.soup`.
+        needs_validation: ``select`` evaluates trial soups, or ``fit`` trains on held-out data (so it needs
+            validation data; ``hf-sms merge`` cannot run it).
         same_mask: the candidates must share one mask (checked); ``False``: their masks may differ.
         reprune: with differing masks, magnitude-prune the soup to the phase's sparsity (IMP-RePrune); ``False``:
             leave it as it is (DPF's dense copies, which the next pruning step masks).
@@ -87,11 +94,18 @@ class SoupMethod:
 
     select: Select
     combine: Combine | None = None
+    fit: Fit | None = None
     needs_base: bool = False
     options: tuple[Option, ...] = ()
     needs_validation: bool = False
     same_mask: bool = True
     reprune: bool = True
+
+    @property
+    def weighted_mean(self) -> bool:
+        """A weighted mean of candidates under one mask (uniform, greedy): what subset replicas and streamed merges
+        can make without every candidate's tensors at once."""
+        return self.combine is None and self.fit is None and self.same_mask
 
     def resolve(self, name: str, given: Mapping | None) -> dict[str, float]:
         """``given`` checked against the declared options, defaults filled in; raises naming what is wrong."""

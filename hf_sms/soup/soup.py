@@ -29,7 +29,10 @@ StateDict = dict[str, torch.Tensor]
 class LocalWorld:
     """Every candidate in this process: the world of one, for soups made in memory."""
 
-    size = 1
+    size, is_main = 1, True
+
+    def all_gather(self, value) -> list:
+        return [value]
 
     def average(self, local: dict[int, StateDict], weights: Sequence[float], template: StateDict) -> StateDict:
         used = [i for i, w in enumerate(weights) if w]
@@ -75,13 +78,22 @@ def check_same_masks(models: Sequence[nn.Module]) -> Masks:
 
 
 def _combined(method: SoupMethod, world, local, weights, template: StateDict, base: StateDict | None, **seen):
-    if method.combine is None:
+    if method.combine is None and seen["mixing"] is None:
         return world.average(local, weights, template)
     every = world.all_candidates(local, len(weights), template)
     used = [i for i, w in enumerate(weights) if w]
+    if seen["mixing"] is not None:  # a learned soup: each parameter its own weights, buffers the plain mean
+        mixing = seen["mixing"]
+        mean = [1 / len(used)] * len(used)
+        return {
+            k: average_tensors([every[i][k] for i in used], [mixing[k][i] for i in used] if k in mixing else mean)
+            for k in template
+        }
     return {
         k: method.combine(
-            [every[i][k] for i in used], [weights[i] for i in used], Tensors(k, base[k] if base else None, **seen)
+            [every[i][k] for i in used],
+            [weights[i] for i in used],
+            Tensors(k, base[k] if base else None, seen["options"], seen["seed"]),
         )
         if template[k].is_floating_point()
         else every[used[0]][k].clone()
@@ -104,6 +116,7 @@ def soup(
     base: nn.Module | None = None,
     options: dict | None = None,
     seed: int = 0,
+    fit=None,
 ) -> tuple[nn.Module, list[float]]:
     """The soup of ``candidates`` by a soup method, recalibrated; returns ``(soup, one weight per candidate)``.
 
@@ -122,13 +135,17 @@ def soup(
         base: the model every candidate was retrained from (the phase's pruned start), for methods that
             ``needs_base`` (model_stock, ties, dare).
         options: the method's options (checked against the ones it declares, defaults filled in).
-        seed: the soup's random stream (DARE's drop).
+        seed: the soup's random stream (DARE's drop, the learned soup's batch order).
+        fit: held-out data for methods that learn their weights (:class:`hf_sms.soup.learned.FitData`; the
+            learned soup); the main process fits, every process gets its weights.
     """
     spec = SOUPS.get(method) if isinstance(method, str) else method
     name = method if isinstance(method, str) else "this"
     if spec.needs_base and base is None:
         raise ValueError(f"the {name!r} soup merges updates from the candidates' common start: pass base=<that model>")
-    seen = {"options": spec.resolve(name, options), "seed": seed}
+    if spec.fit is not None and fit is None:
+        raise ValueError(f"the {name!r} soup learns its weights on held-out data: pass fit=FitData(...)")
+    seen = {"options": spec.resolve(name, options), "seed": seed, "mixing": None}
     local = dict(candidates) if isinstance(candidates, Mapping) else dict(enumerate(candidates))
     world = world if world is not None else LocalWorld()
     template = template if template is not None else next(iter(local.values()), None)
@@ -142,7 +159,14 @@ def soup(
     reference = template.state_dict()
     base_state = base.state_dict() if spec.needs_base else None
     # a method's own combine may not keep zeros (a rescaling, a sign vote): the shared mask is applied after it
-    shared_mask = masks_from_model(template) if spec.combine is not None and spec.same_mask else None
+    own = spec.combine is not None or spec.fit is not None
+    shared_mask = masks_from_model(template) if own and spec.same_mask else None
+    n = len(scores) if scores is not None else len(local)
+    if spec.fit is not None:
+        every = world.all_candidates(state, n, reference)
+        fitted = spec.fit([every[i] for i in range(n)], template, fit, seen["options"], seed) if world.is_main else None
+        seen["mixing"] = world.all_gather(fitted)[0]
+        del every  # build gathers the candidates again, one soup at a time
 
     def build(weights: list[float]) -> nn.Module:
         model = copy.deepcopy(template)
@@ -159,7 +183,6 @@ def soup(
             raise ValueError("this soup method evaluates trial soups: pass evaluate=<validation metric>")
         return float(evaluate(build(weights)))
 
-    n = len(scores) if scores is not None else len(local)
     if scores is None:
         scores = [trial(indicator_weights([i], n)) for i in range(n)] if evaluate else [0.0] * n
     weights = spec.select(list(scores), trial, config)
