@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check on a lent GPU machine (H200, 2026-11-28: a 100 s, b 37 s, c 40 s, d over 100 s, e 9 s,
-# f 230 s; g ~30 s on a CPU, not yet run on a GPU: about 9.5 minutes, so a 15-minute lease runs it once; pass the
+# f 230 s; g, h ~30 s each on a CPU, not yet run on a GPU: about 10 minutes, so a 15-minute lease runs it once; pass the
 # wanted steps first); record what it prints in docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny
 # versions of every step (tests/test_gpu_check.py).
 #
@@ -19,14 +19,15 @@
 #     under CUDA graphs (torch.compile mode="reduce-overhead") at batch 64; (e) FFN widths at and off multiples of
 #     8 in bf16 (SparseSoupConfig.unit_multiple); (f) peak CUDA memory and time of one SMS phase (m = 3) with full
 #     replicas vs bias_norm / mask_lora / scale_lora on a LLaMA-shaped model of ~110M parameters (issue 35);
-#     (g) BatchNorm recalibration behind dropout on 1, 2, 3 processes sharing the GPU: the same statistics (issue 37).
+#     (g) BatchNorm recalibration behind dropout on 1, 2, 3 processes sharing the GPU: the same statistics (issue 37);
+#     (h) the learned soup's fit: peak CUDA memory against one training step (issue 38, target ratio <= 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1 && shift
 STEPS=("$@")
-[[ ${#STEPS[@]} == 0 ]] && STEPS=(a b c d e f g)
+[[ ${#STEPS[@]} == 0 ]] && STEPS=(a b c d e f g h)
 PY=${PYTHON:-python3}
 "$PY" - <<'EOF'
 import importlib, sys
@@ -111,8 +112,17 @@ step_g() {
   fi
 }
 
+step_h() {
+  echo "== (h) learned soup: memory of the fit vs one training step =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/learned_soup_memory.py --rounds 1 --hidden 128 --layers 1
+  else
+    "$PY" benchmarks/learned_soup_memory.py --device cuda --rounds 2 --hidden 768 --layers 12 --seq 256
+  fi
+}
+
 # each step in its own `bash -e` (errexit holds inside it), at most STEP_TIMEOUT seconds (0: no limit)
-export -f step_a step_b step_c step_d step_e step_f step_g
+export -f step_a step_b step_c step_d step_e step_f step_g step_h
 export DRY PY OUTDIR
 failed=()
 for step in "${STEPS[@]}"; do

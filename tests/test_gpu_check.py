@@ -26,6 +26,7 @@ def test_gpu_check_and_the_scripts_it_calls_parse():
         "benchmarks/unit_multiple.py",
         "benchmarks/replica_memory.py",
         "benchmarks/batchnorm_processes.py",
+        "benchmarks/learned_soup_memory.py",
     } <= called
     for path in called:
         py_compile.compile(str(ROOT / path), doraise=True)
@@ -46,6 +47,8 @@ def test_gpu_check_dry_run():
         "== (f)",
         "== (g)",
         "3 processes vs 1, largest running-statistic difference 0\n",
+        "== (h)",
+        "fit / (weights + one training step) =",
         "masks exact after every run",
         "gpu_check done",
     ):

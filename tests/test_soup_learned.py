@@ -17,7 +17,7 @@ from hf_sms.pruning.masks import masks_from_model
 from hf_sms.soup.learned import FitData, fit_mixing
 from hf_sms.soup.soup import soup
 
-DEFAULTS = {"lr": 0.05, "epochs": 5, "fraction": 0.5, "per_module": 0}
+DEFAULTS = {"lr": 0.05, "steps": 20, "fraction": 0.5, "per_module": 0}
 
 
 class Regression(nn.Module):
@@ -44,7 +44,7 @@ def _data(teacher: nn.Module, n: int = 64, seed: int = 0) -> FitData:
 def test_the_fit_moves_each_tensor_toward_the_candidate_that_fits():
     torch.manual_seed(0)
     good, bad = Regression(), Regression()
-    weights = fit_mixing([good.state_dict(), bad.state_dict()], good, _data(good), {**DEFAULTS, "epochs": 30}, seed=1)
+    weights = fit_mixing([good.state_dict(), bad.state_dict()], good, _data(good), {**DEFAULTS, "steps": 120}, seed=1)
     assert set(weights) == {"fc.weight", "fc.bias"}
     assert all(w[0] > 0.8 and sum(w) == pytest.approx(1.0) for w in weights.values()), weights
     tied = fit_mixing([good.state_dict(), bad.state_dict()], good, _data(good), {**DEFAULTS, "per_module": 1}, seed=1)
@@ -69,7 +69,7 @@ def test_the_soup_is_the_mix_of_its_fitted_weights_and_keeps_the_mask(m, dtype, 
             model.fc.bias.copy_(torch.randn(3, generator=g))
         candidates.append(model)
     data = _data(Regression(), n=8, seed=seed)
-    options = {**DEFAULTS, "epochs": 1}
+    options = {**DEFAULTS, "steps": 1}
     result, _ = soup(candidates, "learned", fit=data, options=options, seed=seed)
     weights = fit_mixing([c.state_dict() for c in candidates], candidates[0], data, options, seed)
     for name, got in result.state_dict().items():
@@ -82,7 +82,7 @@ def test_the_soup_is_the_mix_of_its_fitted_weights_and_keeps_the_mask(m, dtype, 
 
 def test_options_and_inputs_are_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="whole number"):
-        sms_config(tmp_path, merge_methods=["learned"], soup_options={"learned": {"epochs": 2.5}})
+        sms_config(tmp_path, merge_methods=["learned"], soup_options={"learned": {"steps": 2.5}})
     with pytest.raises(ValueError, match=r"fraction.*0.9"):
         sms_config(tmp_path, merge_methods=["learned"], soup_options={"learned": {"fraction": 0.95}})
     with pytest.raises(ValueError, match="weighted mean"):
