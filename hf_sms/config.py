@@ -211,7 +211,8 @@ class SparseSoupArguments:
         default=0.1, metadata={"help": "Fraction of train split off (fixed seed) for validation when none is given."}
     )
     baselines: list[str] = field(
-        default_factory=list, metadata={"help": "Baselines run beside SMS: any of imp, imp_mx, imp_reprune."}
+        default_factory=list,
+        metadata={"help": "Baselines run beside SMS: any of imp, imp_mx, imp_phases, imp_reprune."},
     )
     replica_params: str = field(
         default="all",

@@ -19,6 +19,7 @@ ROW_ORDER = (
     "mean_candidate",
     "ensemble",
     "imp_mx",
+    "imp_phases",
     "imp_reprune",
     "imp",
 )
@@ -30,6 +31,7 @@ ROW_NAMES = {
     "mean_candidate": "mean candidate",
     "ensemble": "ensemble (not a single model)",
     "imp_mx": "IMP_mx",
+    "imp_phases": "IMP with m phases",
     "imp_reprune": "IMP-RePrune",
     "imp": "IMP",
 }

@@ -136,3 +136,18 @@ def test_shared_idle_groups_train_the_last_job_data_parallel(tmp_path):
     for row, sparsity in zip(results["rows"]["sms_greedy"], results["phases"], strict=True):  # masks exact
         assert row["sparsity"] == pytest.approx(sparsity, abs=0.01)
     assert [len(d["candidates_val"]) for d in results["sms"]] == [3, 3]
+
+
+def test_imp_with_m_phases_splits_each_sms_phase_evenly():
+    """imp_phases: with one m the schedule of n x m phases; with m per phase, every SMS sparsity on the way and the
+    same fraction of the weights left removed in each sub-phase."""
+    from hf_sms.baselines.imp import sub_phases
+    from hf_sms.pruning.masks import phase_sparsities
+
+    phases, report = sub_phases(phase_sparsities(0.9, 3), [2, 2, 2])
+    assert phases == pytest.approx(phase_sparsities(0.9, 6), abs=1e-12) and report == {1: 0, 3: 1, 5: 2}
+    phases, report = sub_phases([0.5, 0.8], [3, 1])
+    assert [phases[i] for i in report] == [0.5, 0.8] and len(phases) == 4
+    kept = [1.0] + [1 - s for s in phases[:3]]
+    assert len({round(kept[i + 1] / kept[i], 12) for i in range(3)}) == 1  # each removes the same fraction
+    assert sub_phases([0.5, 0.8], [3, 1], split=False) == ([0.5, 0.8], {0: 0, 1: 1})

@@ -1,8 +1,8 @@
-"""The IMP baselines reported beside SMS (docs/method.md §6): IMP, IMP_mx and IMP-RePrune, each a registration in
-:data:`hf_sms.registry.BASELINES` whose ``fn(ctx)`` (the loop) returns a track, a generator of phases that records
-its rows (or ``None``: nothing to run). All three are IMP tracks through the loop's phase step: m = 1 per track,
-each track with its own random stream and its own mask; on several process groups they train beside the SMS
-replicas (hf_sms.loop.rounds)."""
+"""The IMP baselines reported beside SMS (docs/method.md §6): IMP, IMP_mx, IMP with m phases and IMP-RePrune,
+each a registration in :data:`hf_sms.registry.BASELINES` whose ``fn(ctx)`` (the loop) returns a track, a generator
+of phases that records its rows (or ``None``: nothing to run). All are IMP tracks through the loop's phase step:
+m = 1 per track, each track with its own random stream and its own mask; on several process groups they train
+beside the SMS replicas (hf_sms.loop.rounds)."""
 
 from __future__ import annotations
 
@@ -14,20 +14,22 @@ from ..registry import BASELINES
 from ..seeding import derive_seed
 
 
-def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False):
+def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = False):
     """IMP (m=1) tracks in lockstep; with several tracks also IMP-RePrune: their average, re-pruned to the phase's
-    sparsity (their masks diverge). A track of the loop (:mod:`hf_sms.loop.rounds`): it yields each phase."""
+    sparsity (their masks diverge). ``split``: each SMS phase p becomes m_p shorter IMP phases (:func:`sub_phases`),
+    rows recorded where the SMS phases end. A track of the loop (:mod:`hf_sms.loop.rounds`): it yields each phase."""
     args, world = ctx.args, ctx.world
+    phases, report = sub_phases(ctx.phases, [args.phase_replicas(p) for p in range(len(ctx.phases))], split)
     if n_tracks == 1 and world.n_groups > 1:  # a lone track: all its phases as one job, beside the other rounds
-        hparams = [_hparams(args, name, p, 0, times_m) for p in range(len(ctx.phases))]
-        result = yield TrackJob(name, hparams, lambda: _whole_track(ctx, name, hparams))
+        hparams = [_hparams(args, name, p, 0, times_m) for p in range(len(phases))]
+        result = yield TrackJob(name, hparams, lambda: _whole_track(ctx, name, hparams, phases, report))
         for p, row in enumerate(result.rows):
             ctx.recorder.row(name, p, row)
         return
     template = ctx.pretrained.state_dict()
     tracks = {i: copy.deepcopy(ctx.pretrained) for i in range(n_tracks)}
     masks: dict = {}
-    for p, sparsity in enumerate(ctx.phases):
+    for p, sparsity in enumerate(phases):
         hparams = [_hparams(args, name, p, i, times_m) for i in range(n_tracks)]
         reprune = "reprune" if n_tracks > 1 else None  # the tracks' average, re-pruned to the phase's sparsity
         spec = PhaseSpec(sparsity, tracks, masks, hparams, phase_folder(name, p), soup=reprune, member="track")
@@ -42,8 +44,10 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False):
             else:
                 tracks[i], masks[i] = copy.deepcopy(ctx.pretrained), sent
                 tracks[i].load_state_dict(state)
+        if p not in report:  # a sub-phase inside an SMS phase: no row
+            continue
         # track 0's rows: every process holds it and shares its test sets (its owner scored validation already)
-        ctx.recorder.row(name, p, ctx.recorder.measure(tracks[0], val=result.val[0], shared=True))
+        ctx.recorder.row(name, report[p], ctx.recorder.measure(tracks[0], val=result.val[0], shared=True))
         if result.soup is not None:
             ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(result.soup, shared=True))
 
@@ -53,18 +57,34 @@ def _hparams(args, name: str, p: int, i: int, times_m: bool):
     return dataclasses.replace(h, **args.phase_budget(p)) if times_m else h  # IMP_mx: SMS's compute per phase
 
 
-def _whole_track(ctx, name: str, hparams: list) -> list[dict]:
+def _whole_track(ctx, name: str, hparams: list, phases: list[float], report: dict[int, int]) -> list[dict]:
     """Every phase of one IMP track on this process group, as the phase step does it (prune its own model, retrain,
     recalibrate, score), each row measured by the group: what run_imp's phases give on one process."""
     model, masks, rows, group = ctx.pretrained, None, [], ctx.world.group
-    for p, (sparsity, h) in enumerate(zip(ctx.phases, hparams)):
+    for p, (sparsity, h) in enumerate(zip(phases, hparams)):
         start = copy.deepcopy(model)
         step = ctx.args.plan.prune(start, sparsity, masks, ctx.example)
         model = ctx.recalibrate(ctx.train_replica(start, step, h, f"{phase_folder(name, p)}/track0"), group)
-        val = ctx.recorder.evaluate(model, ctx.eval_dataset, shared=group)
-        rows.append(ctx.recorder.measure(model, val=val, shared=group))
+        if p in report:
+            val = ctx.recorder.evaluate(model, ctx.eval_dataset, shared=group)
+            rows.append(ctx.recorder.measure(model, val=val, shared=group))
         masks = step.masks
     return rows
+
+
+def sub_phases(phases: list[float], m: list[int], split: bool = True) -> tuple[list[float], dict[int, int]]:
+    """``(sparsity after each IMP phase, {IMP phase: the SMS phase it ends})``: with ``split``, SMS phase p (from
+    s_{p-1} to s_p) becomes m_p phases that each remove the same fraction of the weights left, so the track passes
+    through every SMS sparsity (with one m for all phases: the schedule of n x m phases). Without, the phases
+    themselves."""
+    if not split:
+        return list(phases), {p: p for p in range(len(phases))}
+    out, report, before = [], {}, 0.0
+    for p, (after, k) in enumerate(zip(phases, m)):
+        keep = (1.0 - after) / (1.0 - before)
+        out += [1.0 - (1.0 - before) * keep ** (j / k) for j in range(1, k)] + [after]
+        report[len(out) - 1], before = p, after
+    return out, report
 
 
 def _needs_two(config) -> None:
@@ -72,6 +92,11 @@ def _needs_two(config) -> None:
         raise ValueError(
             "baselines=['imp_reprune'] averages num_replicas independent IMP runs, so it needs num_replicas >= 2"
         )
+
+
+def _needs_more_phases(config) -> None:
+    if max(config.phase_replicas(p) for p in range(config.n_phases)) < 2:
+        raise ValueError("baselines=['imp_phases'] runs m IMP phases per SMS phase: with m = 1 it is 'imp'")
 
 
 @BASELINES.register("imp")
@@ -86,6 +111,13 @@ def imp(ctx):
 def imp_mx(ctx):
     """IMP_mx: m = 1, retrained with the compute SMS spends per phase (the sum over its replicas)."""
     return run_imp(ctx, "imp_mx", n_tracks=1, times_m=True)
+
+
+@BASELINES.register("imp_phases", check=_needs_more_phases)
+def imp_phases(ctx):
+    """IMP with m times as many phases (the paper's appendix): SMS's compute spent on more, shorter prune-retrain
+    cycles, each as long as one replica's retraining; its rows where the SMS phases end."""
+    return run_imp(ctx, "imp_phases", n_tracks=1, split=True)
 
 
 @BASELINES.register("imp_reprune", check=_needs_two)
