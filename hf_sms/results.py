@@ -20,6 +20,7 @@ ROW_ORDER = (
     "ensemble",
     "imp_mx",
     "imp_phases",
+    "imp_swa",
     "imp_reprune",
     "imp",
 )
@@ -32,6 +33,7 @@ ROW_NAMES = {
     "ensemble": "ensemble (not a single model)",
     "imp_mx": "IMP_mx",
     "imp_phases": "IMP with m phases",
+    "imp_swa": "IMP + SWA",
     "imp_reprune": "IMP-RePrune",
     "imp": "IMP",
 }

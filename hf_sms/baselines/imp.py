@@ -14,15 +14,16 @@ from ..registry import BASELINES
 from ..seeding import derive_seed
 
 
-def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = False):
+def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = False, callbacks=lambda: []):
     """IMP (m=1) tracks in lockstep; with several tracks also IMP-RePrune: their average, re-pruned to the phase's
     sparsity (their masks diverge). ``split``: each SMS phase p becomes m_p shorter IMP phases (:func:`sub_phases`),
-    rows recorded where the SMS phases end. A track of the loop (:mod:`hf_sms.loop.rounds`): it yields each phase."""
+    rows recorded where the SMS phases end. ``callbacks() -> [TrainerCallback]``: fresh ones for each phase's
+    training (SWA). A track of the loop (:mod:`hf_sms.loop.rounds`): it yields each phase."""
     args, world = ctx.args, ctx.world
     phases, report = sub_phases(ctx.phases, [args.phase_replicas(p) for p in range(len(ctx.phases))], split)
     if n_tracks == 1 and world.n_groups > 1:  # a lone track: all its phases as one job, beside the other rounds
         hparams = [_hparams(args, name, p, 0, times_m) for p in range(len(phases))]
-        result = yield TrackJob(name, hparams, lambda: _whole_track(ctx, name, hparams, phases, report))
+        result = yield TrackJob(name, hparams, lambda: _whole_track(ctx, name, hparams, phases, report, callbacks))
         for p, row in enumerate(result.rows):
             ctx.recorder.row(name, p, row)
         return
@@ -32,7 +33,8 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = 
     for p, sparsity in enumerate(phases):
         hparams = [_hparams(args, name, p, i, times_m) for i in range(n_tracks)]
         reprune = "reprune" if n_tracks > 1 else None  # the tracks' average, re-pruned to the phase's sparsity
-        spec = PhaseSpec(sparsity, tracks, masks, hparams, phase_folder(name, p), soup=reprune, member="track")
+        folder, fresh = phase_folder(name, p), lambda i: {"callbacks": callbacks()}  # each training its own
+        spec = PhaseSpec(sparsity, tracks, masks, hparams, folder, reprune, member="track", trainer_kwargs=fresh)
         result = yield spec  # no mask broadcast: IMP runs are independent
         # every track and its mask on every process: the next phase may train it on another group
         local = {i: t.state_dict() for i, t in result.candidates.items()}
@@ -57,14 +59,15 @@ def _hparams(args, name: str, p: int, i: int, times_m: bool):
     return dataclasses.replace(h, **args.phase_budget(p)) if times_m else h  # IMP_mx: SMS's compute per phase
 
 
-def _whole_track(ctx, name: str, hparams: list, phases: list[float], report: dict[int, int]) -> list[dict]:
+def _whole_track(ctx, name: str, hparams: list, phases: list[float], report: dict[int, int], callbacks) -> list[dict]:
     """Every phase of one IMP track on this process group, as the phase step does it (prune its own model, retrain,
     recalibrate, score), each row measured by the group: what run_imp's phases give on one process."""
     model, masks, rows, group = ctx.pretrained, None, [], ctx.world.group
     for p, (sparsity, h) in enumerate(zip(phases, hparams)):
         start = copy.deepcopy(model)
         step = ctx.args.plan.prune(start, sparsity, masks, ctx.example)
-        model = ctx.recalibrate(ctx.train_replica(start, step, h, f"{phase_folder(name, p)}/track0"), group)
+        model = ctx.train_replica(start, step, h, f"{phase_folder(name, p)}/track0", callbacks())
+        model = ctx.recalibrate(model, group)
         if p in report:
             val = ctx.recorder.evaluate(model, ctx.eval_dataset, shared=group)
             rows.append(ctx.recorder.measure(model, val=val, shared=group))
