@@ -21,6 +21,7 @@ ROW_ORDER = (
     "imp_mx",
     "imp_phases",
     "imp_swa",
+    "swamp",
     "imp_reprune",
     "imp",
 )
@@ -34,6 +35,7 @@ ROW_NAMES = {
     "imp_mx": "IMP_mx",
     "imp_phases": "IMP with m phases",
     "imp_swa": "IMP + SWA",
+    "swamp": "SWAMP",
     "imp_reprune": "IMP-RePrune",
     "imp": "IMP",
 }

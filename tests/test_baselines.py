@@ -47,3 +47,28 @@ def test_imp_swa_ends_each_phase_on_the_mean_of_its_epochs(tmp_path):
         for name, kept in masks_from_model(saved).items():  # the phase's mask, exactly: zeros where it prunes
             assert torch.equal(kept, snapshots[-1][name] != 0), name
     assert Path(tmp_path / "run" / "imp_swa" / "phase2").is_dir()
+
+
+def test_swamp_averages_swa_particles_and_keeps_the_mask(tmp_path):
+    """SWAMP: each phase's m particles end on their own epoch averages and the next phase starts from their mean;
+    its rows sit beside the SMS ones at the same sparsities."""
+    from hf_sms import uniform_soup
+
+    train, val, test = load_digits_splits(seed=0)
+    train = TensorDictDataset(train.x[:96], train.labels[:96], train.augment)
+    args = sms_config(tmp_path, baselines=["swamp"], max_steps=-1, num_train_epochs=2, recalibrate_bn=False)
+    ends = EpochEnds()
+    torch.manual_seed(0)
+    model, accuracy = DigitsResNet(width=4), ClassificationAccuracy()
+    _, results = run_sms(model, args, train, accuracy, eval_dataset=val, test_dataset=test, callbacks=[ends])
+    rows = results["rows"]
+    assert [r["sparsity"] for r in rows["swamp"]] == [r["sparsity"] for r in rows["sms_uniform"]]
+    particles = []
+    for i in range(2):
+        folder = str(tmp_path / "run" / "swamp" / "phase1" / f"replica{i}")
+        saved = load_sparse(folder, DigitsResNet(width=4))
+        mean = sum(s["fc.weight"].double() for s in ends.seen[folder]) / 2
+        assert torch.allclose(saved.fc.weight.double(), mean, atol=1e-6)  # the particle's own SWA
+        particles.append(saved)
+    soup = uniform_soup(particles)  # the phase's result, which the row scored (BatchNorm averaged: recalibration off)
+    assert rows["swamp"][0]["test"] == accuracy(soup, test)

@@ -1,14 +1,20 @@
-"""IMP + SWA, the paper's appendix baseline ``imp_swa``: IMP (m = 1) whose every phase keeps a stochastic weight
-average (Izmailov et al. 2018) of the weights at each epoch's end, restarted each phase; the phase ends on the
-average, BatchNorm recalibrated (as every model the loop scores). The average of weights trained under one mask has
-that mask exactly."""
+"""Baselines with stochastic weight averaging (Izmailov et al. 2018): ``imp_swa``, the paper's appendix (IMP, m = 1,
+whose every phase keeps the average of the weights at each epoch's end, restarted each phase, and ends on it), and
+``swamp`` (Choi et al., ICLR 2024: m particles per IMP cycle, each with SWA, averaged, the average pruned for the
+next cycle). Every model the loop scores is BatchNorm-recalibrated; an average of weights trained under one mask
+has that mask exactly."""
 
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import torch
 from transformers import TrainerCallback
 
+from ..phase import PhaseSpec, phase_folder
 from ..registry import BASELINES
+from ..seeding import derive_seed
 from .imp import run_imp
 
 
@@ -42,3 +48,26 @@ class EpochAverage(TrainerCallback):
 def imp_swa(ctx):
     """IMP + SWA: m = 1, each phase ends on the average of its epochs' end weights (the paper's appendix)."""
     return run_imp(ctx, "imp_swa", n_tracks=1, callbacks=lambda: [EpochAverage()])
+
+
+def _particles(config) -> None:
+    if config.num_replicas < 2:
+        raise ValueError("baselines=['swamp'] averages num_replicas SWA particles per cycle: set num_replicas >= 2")
+
+
+@BASELINES.register("swamp", check=_particles)
+def swamp(ctx):
+    """SWAMP: each phase trains m particles from the phase's pruned start, each ending on its own SWA average, and
+    continues from their uniform average (pruned at the next phase's start). Particles differ by their seed only
+    (their own streams); the retraining schedule and length are the run's, as for every baseline here."""
+    a, model, masks = ctx.args, copy.deepcopy(ctx.pretrained), None
+
+    def particle(i: int) -> dict:
+        return {"callbacks": [EpochAverage()]}  # each particle its own average
+
+    for p, sparsity in enumerate(ctx.phases):
+        hparams = [dataclasses.replace(a, seed=derive_seed(a.seed, "swamp", p, i)) for i in range(a.phase_replicas(p))]
+        result = yield PhaseSpec(sparsity, model, masks, hparams, phase_folder("swamp", p), trainer_kwargs=particle)
+        model, masks = result.soup, result.masks
+        ctx.recorder.row("swamp", p, ctx.recorder.measure(model, shared=True))
+    return model
