@@ -19,6 +19,7 @@ from .checkpoint import (
 from .checkpoint.folder import read_sparsity
 from .checkpoint.merge import convert_checkpoint
 from .runtime.speed import format_measured, measure_speedup, time_smaller
+from .shrink_record import ShrinkRecord
 from .shrinking.shrink import dense_shaped
 
 
@@ -100,7 +101,7 @@ def _run_peak(args: argparse.Namespace) -> int:
         ckpt = SparseCheckpoint(args.directory)
         with init_empty_weights(include_buffers=False):
             skeleton = ckpt.family.instantiate(ckpt)
-        model = dense_shaped(skeleton, ckpt.info["recipe"]["shrunk"]["dense_config"], device="cpu")
+        model = dense_shaped(skeleton, ShrinkRecord.of(ckpt.info).dense_config, device="cpu")
     else:
         runtime = None if args.peak_of in ("dense", "smaller") else args.peak_of
         model = load_sparse(args.directory, runtime=runtime, sample_input=x if runtime == "auto" else None)
@@ -133,9 +134,9 @@ def run_speed(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     x = sample_input(args.directory, args.batch_size, args.seq_len, args.image_size)
     model = load_sparse(args.directory)
-    shrunk = ((read_sparsity(args.directory) or {}).get("recipe") or {}).get("shrunk") or {}
-    if shrunk.get("saved") == "smaller" and isinstance(shrunk.get("dense_config"), dict):  # a structured soup
-        record = time_smaller(dense_shaped(model, shrunk["dense_config"]), model, x, repeats=args.repeats)
+    shrunk = ShrinkRecord.of(read_sparsity(args.directory))
+    if shrunk is not None and shrunk.smaller and shrunk.dense_config is not None:  # a structured soup
+        record = time_smaller(dense_shaped(model, shrunk.dense_config), model, x, repeats=args.repeats)
         print(f"{args.directory}: the smaller model vs the dense shapes it was cut from (random weights)")
         print(f"latency:  {format_measured(record)}")
         if not args.no_memory:

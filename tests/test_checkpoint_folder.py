@@ -126,3 +126,22 @@ def test_a_mapped_read_is_the_stored_tensor_and_never_writes_the_file(tmp_path):
     assert open(path, "rb").read() == before and torch.equal(SafetensorsFile(path).read("b"), tensors["b"])
     f.data_start += 1  # an offset no float32 can be read from in place: read (copied, aligned), not mapped
     assert f.read("b", mapped=True).data_ptr() % 4 == 0
+
+
+def test_the_shrink_record_reads_what_it_wrote_and_nothing_else():
+    """recipe["shrunk"] is read through one typed record (issue 37 item 6): written fields round-trip, entries of
+    the wrong type from a foreign file are dropped, a pruned save is never 'cut in place', and it needs no torch."""
+    import subprocess
+    import sys
+
+    from hf_sms.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
+
+    record = ShrinkRecord(SMALLER, structure="filters", cut=IN_PLACE, units={"filters": {"sparsity": 0.5}},
+                          parameters=10, dense_parameters=20, parameter_ratio=0.5)  # fmt: skip
+    assert ShrinkRecord.of({"recipe": {"shrunk": record.to_json()}}) == record and record.cut_in_place
+    assert not record.as_pruned("no").cut_in_place and record.as_pruned("no").why == "no"
+    hostile = {"saved": "smaller", "cut": 3, "units": "x", "parameters": True, "why": ["a"], "extra": 1}
+    assert ShrinkRecord.of({"recipe": {"shrunk": hostile}}) == ShrinkRecord(SMALLER)
+    assert ShrinkRecord.of({"recipe": "x"}) is None and ShrinkRecord.of(None) is None
+    blocked = "import sys; sys.modules['torch'] = None; import hf_sms.shrink_record"
+    assert subprocess.run([sys.executable, "-c", blocked], capture_output=True).returncode == 0

@@ -15,6 +15,7 @@ import unicodedata
 import yaml
 
 from ..runtime.speed import format_measured
+from ..shrink_record import ShrinkRecord
 from .constants import CARD_NAME, SPARSITY_NAME
 from .families import FAMILIES, Family
 from .folder import read_sparsity, weight_files
@@ -203,18 +204,16 @@ def _phases(phases: list) -> list[dict]:
     ]
 
 
-def _structure_lines(shrunk) -> list[str]:
+def _structure_lines(shrunk: ShrinkRecord | None) -> list[str]:
     """What a structured soup's card says first: which units went, how much smaller it is, that it needs no hf-sms."""
-    if not isinstance(shrunk, dict) or not isinstance(shrunk.get("units"), dict):
+    if shrunk is None or shrunk.units is None:
         return []
     units = ", ".join(
-        f"{_percent(u.get('sparsity'))} of its {_text(kind)}"
-        for kind, u in shrunk["units"].items()
-        if isinstance(u, dict)
+        f"{_percent(u.get('sparsity'))} of its {_text(kind)}" for kind, u in shrunk.units.items() if isinstance(u, dict)
     )
-    lines = [f"- Structure: {_code(shrunk.get('structure'))}: {units} removed."]
-    if shrunk.get("saved") == "smaller" and all(_is_number(shrunk.get(k)) for k in ("parameters", "dense_parameters")):
-        small, dense = int(shrunk["parameters"]), int(shrunk["dense_parameters"])
+    lines = [f"- Structure: {_code(shrunk.structure)}: {units} removed."]
+    if shrunk.smaller and shrunk.parameters is not None and shrunk.dense_parameters is not None:
+        small, dense = shrunk.parameters, shrunk.dense_parameters
         lines.append(
             f"- A plain smaller model: **{small:,}** parameters against {dense:,} dense "
             f"({small / max(dense, 1):.3f}x); it loads with its own library, without hf-sms."
@@ -225,37 +224,34 @@ def _structure_lines(shrunk) -> list[str]:
                 f"- {kept} stay in it as zeros: its library's config cannot state those layers narrower (they "
                 "change no output)."
             )
-    elif shrunk.get("why"):
-        lines.append(f"- Saved as the pruned model, not a smaller one: {_text(shrunk['why'])}.")
+    elif shrunk.why:
+        lines.append(f"- Saved as the pruned model, not a smaller one: {_text(shrunk.why)}.")
     return lines
 
 
-def _zero_units(shrunk: dict) -> str:
+def _zero_units(shrunk: ShrinkRecord) -> str:
     """``"12 removed filters, 4 removed neurons"``: the removed units a smaller model keeps as zeros, or ``""``."""
-    kept = shrunk.get("zero_units_kept")
-    if not isinstance(kept, dict):
-        return ""
+    kept = shrunk.zero_units_kept or {}
     return ", ".join(f"{n:,} removed {_text(kind)}" for kind, n in kept.items() if isinstance(n, int) and n > 0)
 
 
 def _loading_line(info: dict) -> str:
     """The card's first words: whether loading needs hf-sms, and how to get a copy that does not."""
-    family, shrunk = _family(info), (info.get("recipe") or {}).get("shrunk") or {}
+    family, shrunk = _family(info), ShrinkRecord.of(info)
+    smaller = shrunk is not None and shrunk.smaller
     if family.library == "torch":
         return (
             "**Loading needs hf-sms and the model's code**: `pip install hf-sms`, then "
             "`hf_sms.load_sparse(DIR, model=MyModel(...))` with a model of the same architecture."
         )
-    if shrunk.get("saved") == "smaller" and shrunk.get("cut") == "in place":
+    if shrunk is not None and shrunk.cut_in_place:
         return (
             "**Loading needs hf-sms**: a smaller model with whole units cut out where its library's config cannot "
             "state the widths. `pip install hf-sms`, then `hf_sms.load_sparse(DIR)`, which builds the model and cuts "
             "it to the stored widths."
         )
     if info.get("format") == "dense":
-        what = "a smaller model with whole units cut out (`hf_sms.shrink`)" if shrunk.get("saved") == "smaller" else (
-            "pruned weights stored as zeros"
-        )  # fmt: skip
+        what = "a smaller model with whole units cut out (`hf_sms.shrink`)" if smaller else "pruned weights as zeros"
         return f"**No hf-sms needed**: a plain `{_text(family.library)}` checkpoint, {what}; load it as any other."
     return (
         "**Loading needs hf-sms**: the weights are stored in hf-sms's compact sparse format. `pip install hf-sms`, "
@@ -277,8 +273,8 @@ def write_card(folder: str, name: str, existing: str | None = None) -> None:
 
 
 def _how_to_load(info: dict, repo: str) -> str:
-    shrunk = (info.get("recipe") or {}).get("shrunk")
-    own = not (isinstance(shrunk, dict) and shrunk.get("cut") == "in place")  # only hf-sms rebuilds a cut in place
+    shrunk = ShrinkRecord.of(info)
+    own = not (shrunk is not None and shrunk.cut_in_place)  # only hf-sms rebuilds a cut in place
     snippet = _family(info).load_snippet(info.get("architecture"), info.get("format"), repo, hub=True, own=own)
     return "```python\n" + snippet + "\n```"
 
@@ -337,8 +333,8 @@ def model_card(
     sparsity, numel, nnz = (_number(info, key, directory) for key in ("sparsity", "numel", "nnz"))
     # The speedup is stated here only: a second mention could only disagree with this one.
     speed = f"**{_cell(speedup)}x** over the dense model" if speedup is not None else "not measured"
-    shrunk = recipe.get("shrunk") if isinstance(recipe.get("shrunk"), dict) else {}
-    if shrunk.get("saved") == "smaller":
+    shrunk = ShrinkRecord.of(info)
+    if shrunk is not None and shrunk.smaller:
         but = ", but for the removed units it keeps as zeros (above)" if _zero_units(shrunk) else ""
         speed_note = f"Whole units are cut out: the smaller model saves these FLOPs as it is, on any device{but}."
     else:
@@ -356,7 +352,7 @@ def model_card(
         "",
         "## Sparsity",
         "",
-        *_structure_lines(recipe.get("shrunk")),
+        *_structure_lines(shrunk),
         f"- Sparsity: **{100 * sparsity:.2f}%** of the {int(numel):,} prunable weights are zero "
         f"({int(nnz):,} kept); mask {_code(info.get('mask_hash'))}.",
         f"- Checkpoint format: {_code(info.get('format'))}, weights {weights / 1e6:.2f} MB on disk.",

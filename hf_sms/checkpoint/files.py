@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ..shrink_record import ShrinkRecord
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
 from .families import Family, family_of_config, get_family
 from .folder import PREVIOUS_SUFFIX, checkpoint_file, read_json, read_sparsity, restore_previous, weight_files
@@ -81,8 +82,8 @@ class CheckpointFiles:
     def cut_in_place(self) -> bool:
         """A smaller model whose units were cut in place (its family's config cannot state its widths):
         :func:`hf_sms.load_sparse` cuts the model the family or a template builds to the stored shapes first."""
-        shrunk = ((self.info or {}).get("recipe") or {}).get("shrunk")
-        return isinstance(shrunk, dict) and shrunk.get("saved") == "smaller" and shrunk.get("cut") == "in place"
+        record = ShrinkRecord.of(self.info)
+        return record is not None and record.cut_in_place
 
     @property
     def family(self) -> Family:

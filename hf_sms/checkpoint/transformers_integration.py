@@ -35,6 +35,7 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..shrink_record import ShrinkRecord
 from .codec import decode_tensor
 from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
 from .files import CheckpointFiles
@@ -253,8 +254,8 @@ def check_dense_folder(directory: str) -> None:
     ``sparsity.json`` records: another file, a tensor renamed or swapped, a byte changed, another mask. Every other
     folder (bitmask: its quantizer checks it; not hf-sms's) passes untouched."""
     info = read_sparsity(directory) or {}
-    shrunk = (info.get("recipe") or {}).get("shrunk") if isinstance(info.get("recipe"), dict) else None
-    if isinstance(shrunk, dict) and shrunk.get("cut") == "in place":  # widths its config cannot state
+    record = ShrinkRecord.of(info)
+    if record is not None and record.cut_in_place:  # widths its config cannot state
         raise ValueError(
             f"{directory} holds a smaller model cut in place (widths its config cannot state): transformers would "
             f"build the full-size model and fill the layers that differ at random. Load it with "

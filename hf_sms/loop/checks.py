@@ -162,12 +162,18 @@ def preview_shrink(args, model, batch) -> float | None:
         return None
     structure, target = args.plan.describe()["structure"], args.target_sparsity
     if ratio > 0.95:
+        why = (final.shrunk.why if final.shrunk else None) or (
+            "its removed units stay as zeros where its family's config cannot state the widths; fit_config=False "
+            "prunes and cuts more"
+        )
         logger.warning(
             "[hf-sms] structure=%r at %g: the final soup will be pruned but hardly smaller (about %.3fx the dense "
             "parameters): %s",
-            structure, target, ratio, (final.shrunk or {}).get("why") or "its removed units stay as zeros where "
-            "its family's config cannot state the widths; fit_config=False prunes and cuts more",
-        )  # fmt: skip
+            structure,
+            target,
+            ratio,
+            why,
+        )
     else:
         logger.info("[hf-sms] structure=%r at %g: the final soup will have about %.3fx the dense parameters",
                     structure, target, ratio)  # fmt: skip

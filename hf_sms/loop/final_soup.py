@@ -29,7 +29,7 @@ def save_final_soup(
     saying what was cut (``recipe["shrunk"]``: units removed, parameters against ``dense``).
 
     The smaller folder is kept only if it loads back as a user would load it: by its family from its own config,
-    or, where the config cannot state its widths (``recipe["shrunk"]["cut"] == "in place"``), by
+    or, where the config cannot state its widths (:attr:`hf_sms.shrink_record.ShrinkRecord.cut_in_place`), by
     :func:`hf_sms.load_sparse`, which cuts the model its family (or a template, for plain torch) builds to the
     stored widths, and gives the soup's outputs on the batches in ``checks`` too (other data than ``example``: a
     branch the traced batch did not take). Else the pruned soup is saved as a bitmask checkpoint, and the recipe
@@ -39,12 +39,11 @@ def save_final_soup(
     final = plan.final(soup, dense, example)
     if final.shrunk is None:
         return save_sparse(final.model, directory, final.fmt, recipe=recipe, **kwargs)
-    if final.shrunk.get("saved") != "smaller":
-        why = final.shrunk.get("why", "")
-        logger.warning("[hf-sms] the final soup is saved as the pruned model, not a smaller one: %s", why)
-        return save_sparse(soup, directory, recipe={**recipe, "shrunk": final.shrunk}, **kwargs)
-    template = copy.deepcopy(dense) if final.shrunk.get("cut") == "in place" else None  # its code builds it
-    save_sparse(final.model, directory, final.fmt, recipe={**recipe, "shrunk": final.shrunk}, **kwargs)
+    if not final.shrunk.smaller:
+        logger.warning("[hf-sms] the final soup is saved as the pruned model, not a smaller one: %s", final.shrunk.why)
+        return save_sparse(soup, directory, recipe={**recipe, "shrunk": final.shrunk.to_json()}, **kwargs)
+    template = copy.deepcopy(dense) if final.shrunk.cut_in_place else None  # its code builds it
+    save_sparse(final.model, directory, final.fmt, recipe={**recipe, "shrunk": final.shrunk.to_json()}, **kwargs)
     try:
         loaded = load_sparse(directory, model=template)  # as a user loads it: its own config, or hf-sms's cut
     except (ValueError, RuntimeError) as e:
@@ -59,6 +58,4 @@ def save_final_soup(
         why = "its outputs are not the soup's on another validation batch (a branch its traced batch did not take)"
         why += failed or ""
     logger.warning("[hf-sms] the final soup is saved as the pruned model, not the smaller one: %s", why)
-    return save_sparse(
-        soup, directory, recipe={**recipe, "shrunk": {**final.shrunk, "saved": "pruned", "why": why}}, **kwargs
-    )
+    return save_sparse(soup, directory, recipe={**recipe, "shrunk": final.shrunk.as_pruned(why).to_json()}, **kwargs)

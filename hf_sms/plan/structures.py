@@ -26,6 +26,7 @@ from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
 from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
 from ..registry import ALLOCATIONS, CRITERIA, STRUCTURES
 from ..runtime.speed import measure_speedup_of, time_smaller
+from ..shrink_record import PRUNED, ShrinkRecord
 from ..shrinking.cut import cut_in_place, kept_index
 from ..shrinking.families import config_family
 from ..shrinking.fit import fit
@@ -41,7 +42,7 @@ class Final:
 
     model: nn.Module
     fmt: str
-    shrunk: dict | None = None
+    shrunk: ShrinkRecord | None = None
 
 
 class Structure:
@@ -249,9 +250,8 @@ class Units(Structure):
             smaller = shrink(soup, batch, structure=self, fit_config=plan.fit_config, multiple_of=plan.unit_multiple)
         except (NotImplementedError, ValueError) as e:
             why = f"hf_sms.shrink could not make it smaller ({str(e)[:200]})"
-            return Final(soup, "bitmask", {"saved": "pruned", "why": why})
-        record = shrink_record(dense, soup, smaller, self, batch)
-        return Final(smaller, "dense", {**record, "saved": "smaller"})
+            return Final(soup, "bitmask", ShrinkRecord(PRUNED, why=why))
+        return Final(smaller, "dense", shrink_record(dense, soup, smaller, self, batch))
 
     def preview(self, plan, model, target, batch):
         pruned = copy.deepcopy(model)

@@ -15,6 +15,7 @@ from ..batchnorm import forward_batch
 from ..pruning.graph import trace_units
 from ..pruning.prunable import accepts_labels, parameter_count, train_forward, unfused_attention
 from ..pruning.units import UnitGroup, removed_units, unit_report
+from ..shrink_record import BY_CONFIG, IN_PLACE, SMALLER, ShrinkRecord
 from .cut import cut_in_place, cut_state_dict, kept_index
 from .families import FAMILY_CONFIGS, config_family
 from .fit import fit, pad, states_itself
@@ -268,21 +269,20 @@ def dense_shaped(smaller: nn.Module, dense_config: dict, device=None) -> nn.Modu
     return dense.to(device or next(smaller.parameters()).device).eval()
 
 
-def shrink_record(dense: nn.Module, pruned: nn.Module, shrunk: nn.Module, structure, example_inputs) -> dict:
+def shrink_record(dense: nn.Module, pruned: nn.Module, shrunk: nn.Module, structure, example_inputs) -> ShrinkRecord:
     """What a structured soup's ``sparsity.json`` and card say of it: the units removed (measured on the pruned
     model), the parameters of the smaller model against the dense one, and the removed units it keeps as zeros
     where its family's config cannot state a smaller width."""
     batch = example_batch(pruned, example_inputs)
     groups = trace_units(pruned, batch).groups(kinds_of(structure))
-    return {
-        "structure": "+".join(kinds_of(structure)),
-        # "config": its family's config states the widths (loads without hf-sms); "in place": hf_sms.load_sparse
-        # cuts the model its family (or a template) builds to the stored widths
-        "cut": "config" if states_itself(shrunk) else "in place",
-        "units": unit_report(pruned, groups),
-        "dense_config": dense_values(dense, shrunk),
-        "zero_units_kept": zero_units_kept(shrunk, batch, structure),
-        "parameters": parameter_count(shrunk),
-        "dense_parameters": parameter_count(dense),
-        "parameter_ratio": parameter_count(shrunk) / max(parameter_count(dense), 1),
-    }
+    return ShrinkRecord(
+        saved=SMALLER,
+        structure="+".join(kinds_of(structure)),
+        cut=BY_CONFIG if states_itself(shrunk) else IN_PLACE,
+        units=unit_report(pruned, groups),
+        dense_config=dense_values(dense, shrunk),
+        zero_units_kept=zero_units_kept(shrunk, batch, structure),
+        parameters=parameter_count(shrunk),
+        dense_parameters=parameter_count(dense),
+        parameter_ratio=parameter_count(shrunk) / max(parameter_count(dense), 1),
+    )
