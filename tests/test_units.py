@@ -205,3 +205,24 @@ def test_on_random_graphs_every_unit_cuts_out_exactly_and_no_slice_is_in_two_uni
     smaller = shrink(pruned, x, structure="filters+neurons", fit_config=False)
     torch.testing.assert_close(smaller(x), pruned(x), rtol=1e-4, atol=1e-5)
     assert parameter_count(smaller) < parameter_count(pruned)
+
+
+def test_an_unknown_op_is_one_registration(monkeypatch):
+    """An aten op the tracer does not know pins what it reads (no units behind it); OPS.add(name, kind) makes it
+    followed, without an edit of the tracer (issue 37 item 7)."""
+    import copy
+
+    from torch import nn
+
+    from hf_sms.pruning.graph import OPS, trace_units
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.LogSigmoid(), nn.Conv2d(8, 4, 3)).eval()  # aten.log_sigmoid_forward
+    x = torch.randn(2, 3, 12, 12)
+    assert trace_units(model, x).groups(("filters",)) == []
+    monkeypatch.setattr(OPS, "_kinds", copy.deepcopy(OPS._kinds))  # the registration stays in this test
+    OPS.add("log_sigmoid_forward", "pointwise")
+    (group,) = trace_units(model, x).groups(("filters",))
+    assert group.n_units == 8
+    with pytest.raises(ValueError, match="unknown op kind"):
+        OPS.add("x", "elementwise")

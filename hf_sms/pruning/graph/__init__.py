@@ -21,6 +21,7 @@ in the channel (bias, BatchNorm shift, activation of 0). Its kind:
   (an FFN, gated or not).
 """
 
+from .ops import OPS
 from .trace import Found, Trace, trace_units
 
-__all__ = ["Found", "Trace", "trace_units"]
+__all__ = ["OPS", "Found", "Trace", "trace_units"]

@@ -1,5 +1,6 @@
 """The recorder: one eval forward under a dispatch mode that reads every aten op and joins, refines or pins the
-spaces of its inputs and outputs (:mod:`hf_sms.pruning.graph`). Ops it does not know pin what they read."""
+spaces of its inputs and outputs (:mod:`hf_sms.pruning.graph`), by the kind :data:`~hf_sms.pruning.graph.ops.OPS`
+registers for each op. Ops it does not know pin what they read."""
 
 from __future__ import annotations
 
@@ -8,44 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .labels import Labels, _arg, _flat, _tensors
 from .layers import LayerOps
+from .ops import OPS
 from .shapes import ShapeOps
-
-# Ops that act position by position on their inputs' broadcast shape (beside those tagged pointwise).
-_IDENTITY = {
-    "clone", "_to_copy", "alias", "detach", "lift_fresh", "lift_fresh_copy", "contiguous", "_to_dim_order_copy",
-    "to", "dropout", "native_dropout", "masked_fill", "where", "copy", "fill", "zero", "clamp", "clamp_min",
-    "clamp_max", "hardtanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "gelu", "silu", "mish", "relu",
-    "sigmoid", "tanh", "softplus", "threshold", "prelu", "_prelu_kernel", "erf", "round", "abs", "neg", "sign",
-}  # fmt: skip
-_FACTORIES = {
-    "arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
-    "randn_like", "new_zeros", "new_ones", "new_full", "new_empty", "scalar_tensor", "rand", "randn", "randint",
-    "empty_strided", "new_empty_strided", "tensor", "bernoulli", "randperm", "linspace", "tril_indices",
-    "triu_indices", "eye",
-}  # fmt: skip
-# Ops that give a weight another shape, layout or dtype: what they return is still that weight.
-_VIEWS = {
-    "t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "_to_copy",
-    "clone", "alias", "detach", "contiguous", "slice", "split", "split_with_sizes", "unbind", "select", "to",
-    "_to_dim_order_copy", "lift_fresh",
-}  # fmt: skip
-# Reads that only test values (control flow), never feed an activation.
-_TESTS = {"_local_scalar_dense", "equal", "is_nonzero", "any", "all", "isnan", "isinf", "isfinite", "sym_size"}
-_REDUCTIONS = {
-    "sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "logsumexp", "prod", "norm",
-    "linalg_vector_norm", "argmax", "argmin", "nansum", "nanmean", "count_nonzero", "median", "mode",
-}  # fmt: skip
-_ALONG = {"_softmax", "_log_softmax", "_safe_softmax", "softmax", "log_softmax", "cumsum", "cumprod", "sort",
-          "topk", "argsort", "logcumsumexp", "cummax", "cummin", "kthvalue"}  # fmt: skip
-_BATCH_NORMS = {
-    "native_batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
-    "_native_batch_norm_legit_functional", "cudnn_batch_norm", "miopen_batch_norm", "batch_norm",
-}  # fmt: skip
-_SDPA = {
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
-    "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable",
-}  # fmt: skip
 
 
 def _spatial(name: str) -> int | None:
@@ -68,7 +33,7 @@ class Recorder(ShapeOps, LayerOps, Labels, TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__.rstrip("_")
-        if name in _VIEWS and args and torch.is_tensor(args[0]) and self.is_weight(args[0]):
+        if OPS.has(name, "view") and args and torch.is_tensor(args[0]) and self.is_weight(args[0]):
             self.weights.update(id(o) for o in _flat(out) if torch.is_tensor(o))
         try:
             self.record(func, name, args, kwargs, out)
@@ -77,31 +42,34 @@ class Recorder(ShapeOps, LayerOps, Labels, TorchDispatchMode):
         return out
 
     def unknown(self, func, args, kwargs, out, name=None) -> None:
-        reason = f"read by aten.{name or func.overloadpacket.__name__}, which hf-sms does not follow"
+        reason = (
+            f"read by aten.{name or func.overloadpacket.__name__}, which hf-sms does not follow (if it acts "
+            "position by position: hf_sms.pruning.graph.OPS.add(name, 'pointwise'))"
+        )
         self.pin_all(_tensors(args, kwargs), reason)
         for o in _flat(out):
             self.fresh(o, reason)
 
     def record(self, func, name, args, kwargs, out) -> None:  # noqa: C901 - one branch per family of ops
         tensors = _tensors(args, kwargs)
-        if name in _FACTORIES or (not tensors and not name.startswith("_scaled")):
+        if OPS.has(name, "factory") or (not tensors and not name.startswith("_scaled")):
             for o in _flat(out):
                 self.fresh(o, free=True)
             return
-        if name in _TESTS:
+        if OPS.has(name, "test"):
             for o in _flat(out):
                 self.fresh(o)
             return
         handler = getattr(self, f"op_{name}", None)
         if handler is not None:
             handler(func, args, kwargs, out)
-        elif name in _BATCH_NORMS:
+        elif OPS.has(name, "batch_norm"):
             self.batch_norm(args, out)
-        elif name in _SDPA:
+        elif OPS.has(name, "sdpa"):
             self.sdpa(func, args, kwargs, out)
-        elif name in _REDUCTIONS:
+        elif OPS.has(name, "reduction"):
             self.reduction(func, name, args, kwargs, out)
-        elif name in _ALONG:
+        elif OPS.has(name, "along"):
             dim = _arg(func, args, kwargs, "dim", -1)
             x = args[0]
             labels = self.lab(x)
@@ -111,7 +79,7 @@ class Recorder(ShapeOps, LayerOps, Labels, TorchDispatchMode):
                     self.set(o, labels)
                 else:
                     self.fresh(o)
-        elif name in _IDENTITY or torch.Tag.pointwise in func.tags:
+        elif OPS.has(name, "pointwise") or torch.Tag.pointwise in func.tags:
             self.pointwise(args, kwargs, out)
         elif (k := _spatial(name)) is not None and ("pool" in name or "upsample" in name or "pad" in name):
             self.spatial(name, k, args, out)

@@ -14,6 +14,7 @@ from ...batchnorm import forward_batch
 from ..prunable import accepts_labels, prunable_tensors, train_forward, unfused_attention
 from ..units import Member, UnitGroup
 from .labels import CHANNELWISE, CONSUMER, PRODUCER, _output_tensors
+from .ops import OPS
 from .recorder import Recorder
 
 
@@ -150,10 +151,10 @@ def trace_units(model: nn.Module, example_inputs, train: bool = False) -> Trace:
     ``example_inputs``, a batch as :func:`hf_sms.batchnorm.forward_batch` takes it; ``train``: from a train-mode
     forward (dropout modules off, buffers such as BatchNorm statistics restored, the random state untouched), where
     code only training runs (an auxiliary head) reads the channels too. The model's training mode is restored.
-    Remembered per :func:`architecture_key`, batch shape and mode: the spaces depend on the forward and the shapes,
-    not on the weights."""
+    Remembered per :func:`architecture_key`, batch shape, mode and the ops registered: the spaces depend on the
+    forward and the shapes, not on the weights."""
     batch = _small(example_inputs)
-    key = (architecture_key(model), _signature(batch), train)
+    key = (architecture_key(model), _signature(batch), train, OPS.version)  # a registered op changes the trace
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.pop(next(iter(_CACHE)))
