@@ -33,9 +33,17 @@ def sparse_config(cls: type) -> type:
     if cls not in _COMPOSED:
         name = f"SparseSoup{cls.__name__}"
         composed = dataclass(kw_only=True, repr=False)(
-            type(name, (SparseSoupArguments, cls), {"__module__": __name__, "__qualname__": name, "__doc__":
-                 f"{cls.__name__} plus :class:`SparseSoupArguments`, every default of {cls.__name__} as it is."})
-        )  # fmt: skip
+            type(
+                name,
+                (SparseSoupArguments, cls),
+                {
+                    "__module__": __name__,
+                    "__qualname__": name,
+                    "__doc__": f"{cls.__name__} plus :class:`SparseSoupArguments`, every default of {cls.__name__} "
+                    "as it is.",
+                },
+            )
+        )
         globals()[name] = _COMPOSED[cls] = composed  # importable by name: the args pickle (training_args.bin)
     return _COMPOSED[cls]
 

@@ -32,9 +32,16 @@ def run_merge(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--option {item!r}: write KEY=NUMBER, e.g. --option density=0.2") from None
     info = merge_checkpoints(
-        args.inputs, args.output, args.method, args.format, args.overwrite, args.weights,
-        base=args.base, options=options, seed=args.seed,
-    )  # fmt: skip
+        args.inputs,
+        args.output,
+        args.method,
+        args.format,
+        args.overwrite,
+        args.weights,
+        base=args.base,
+        options=options,
+        seed=args.seed,
+    )
     print(f"merged {len(args.inputs)} checkpoints into {args.output} ({args.format}, sparsity {info['sparsity']:.4f})")
     return 0
 
@@ -142,8 +149,10 @@ def run_speed(args: argparse.Namespace) -> int:
         if not args.no_memory:
             dense, smaller = (_peak_mb(args.directory, m, args) for m in ("dense-shapes", "smaller"))
             if dense is not None:
-                print(f"peak RSS above imports, build or load + one forward in a fresh process: {dense:.0f} MB dense "
-                      f"shapes vs {smaller:.0f} MB smaller model (load_sparse)")  # fmt: skip
+                print(
+                    f"peak RSS above imports, build or load + one forward in a fresh process: {dense:.0f} MB dense "
+                    f"shapes vs {smaller:.0f} MB smaller model (load_sparse)"
+                )
         return 0
     record = measure_speedup(model, x, layout=args.layout, repeats=args.repeats)
     print(f"{args.directory}: dense vs sparse runtime ({args.layout})")

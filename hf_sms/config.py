@@ -258,9 +258,11 @@ class SparseSoupArguments:
         given = {"allocation": self.allocation, "structure": self.structure, "criterion": self.criterion}
         try:
             self.plan: PruningPlan = resolve_pruning(
-                **given, seed=derive_seed(self.seed, "pruning"), unit_multiple=self.unit_multiple,
+                **given,
+                seed=derive_seed(self.seed, "pruning"),
+                unit_multiple=self.unit_multiple,
                 fit_config=self.fit_config,
-            )  # fmt: skip
+            )
             self.plan.validate(self.target_sparsity)
         except ValueError as e:
             raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in given.items() if v is not None)}: {e}") from None

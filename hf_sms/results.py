@@ -235,8 +235,10 @@ def timeline(run: dict) -> list[dict]:
     world = run.get("world") or {}
     seconds, jobs = world.get("seconds"), world.get("jobs", [])
     if not seconds:
-        raise ValueError("this results.json records no schedule: it comes from a run that did not finish, or from "
-                         "hf-sms before 0.9; rerun (finished jobs are loaded, not retrained)")  # fmt: skip
+        raise ValueError(
+            "this results.json records no schedule: it comes from a run that did not finish, or from "
+            "hf-sms before 0.9; rerun (finished jobs are loaded, not retrained)"
+        )
     out = []
     for rank in range(world.get("processes", 1)):
         mine = [j for j in jobs if j["rank"] == rank]
@@ -244,9 +246,17 @@ def timeline(run: dict) -> list[dict]:
         wait = sum(j["end"] - j["start"] for j in mine if j["kind"] == "wait")
         group = next((j["group"] for j in mine), None)
         shared = max(seconds - train - wait, 0.0)
-        out.append({"rank": rank, "group": group, "jobs": sum(j["kind"] == "train" for j in mine),
-                    "train_s": round(train, 2), "wait_s": round(wait, 2), "shared_s": round(shared, 2),
-                    "idle": round(wait / seconds, 4)})  # fmt: skip
+        out.append(
+            {
+                "rank": rank,
+                "group": group,
+                "jobs": sum(j["kind"] == "train" for j in mine),
+                "train_s": round(train, 2),
+                "wait_s": round(wait, 2),
+                "shared_s": round(shared, 2),
+                "idle": round(wait / seconds, 4),
+            }
+        )
     return out
 
 
@@ -294,8 +304,11 @@ def _read(command: str, path: str) -> dict | None:
             run = json.load(f)
         _check_results(run, command)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        print(f"hf-sms {command}: error: {path} is not a readable results.json ({e}); was its run killed while "
-              "writing? Leave it out or rerun that run", file=sys.stderr)  # fmt: skip
+        print(
+            f"hf-sms {command}: error: {path} is not a readable results.json ({e}); was its run killed while "
+            "writing? Leave it out or rerun that run",
+            file=sys.stderr,
+        )
         return None
     except ValueError as e:
         print(f"hf-sms {command}: error: {path} is not the results.json of an hf-sms run: {e}", file=sys.stderr)
@@ -364,8 +377,10 @@ def timeline_command(args) -> int:
     print(f"{world['processes']} process(es) in {world['groups']} group(s), {world['seconds']:.1f} s")
     print(f"{'rank':>4} {'group':>5} {'jobs':>4} {'training s':>10} {'waiting s':>9} {'shared s':>8} {'idle':>6}")
     for r in rows:
-        print(f"{r['rank']:>4} {r['group'] if r['group'] is not None else '-':>5} {r['jobs']:>4} {r['train_s']:>10.1f} "
-              f"{r['wait_s']:>9.1f} {r['shared_s']:>8.1f} {100 * r['idle']:>5.1f}%")  # fmt: skip
+        print(
+            f"{r['rank']:>4} {r['group'] if r['group'] is not None else '-':>5} {r['jobs']:>4} {r['train_s']:>10.1f} "
+            f"{r['wait_s']:>9.1f} {r['shared_s']:>8.1f} {100 * r['idle']:>5.1f}%"
+        )
     picture = os.path.join(args.run_dir, "timeline.png")
     plot_timeline(run, picture)
     print(f"wrote {picture}")

@@ -382,10 +382,10 @@ def pretrain(model: torch.nn.Module, args, train_dataset, folder: str, **trainer
 def public_weights_note(source: str, saw_validation: bool = True) -> str:
     """What a run from public pretrained weights must say (run output and model card): the validation split it
     holds out may be in those weights' training data, and ``pretrain_*`` describe a schedule, not a training here."""
-    seen = (
+    seen = saw_validation * (  # the sentence, or "" without a validation split
         "The validation split held out here was in the training data of those weights, so validation scores (which "
         "pick greedy soups and the best candidate) are optimistic. "
-    ) if saw_validation else ""  # fmt: skip
+    )
     return f"The dense model is the public pretrained {source}; it was not trained by this run. {seen}" + (
         "The pretrain_* settings describe the schedule the retraining schedules (LRW, SLR, ALLR) replay, not a "
         "training that ran here."

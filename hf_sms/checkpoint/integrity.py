@@ -93,8 +93,10 @@ def check_manifest(folder: str, info: dict | None, weight_paths: list[str]) -> N
     present = _listed(folder, weight_paths)
     extra = [n for n in present if n not in recorded]
     if extra:
-        raise CorruptionError(f"{folder}: {extra[0]} is not one of the weight files {SPARSITY_NAME} records: it comes "
-                         f"from another save; {_FIX}")  # fmt: skip
+        raise CorruptionError(
+            f"{folder}: {extra[0]} is not one of the weight files {SPARSITY_NAME} records: it comes "
+            f"from another save; {_FIX}"
+        )
     for name, want in recorded.items():
         if name not in present:
             raise CorruptionError(f"{folder}: the weight file {name} that {SPARSITY_NAME} records is missing; {_FIX}")

@@ -99,8 +99,11 @@ def evaluate(metric, model: nn.Module, dataset, world=None) -> float:
     name = getattr(metric, "name", None) or type(metric).__name__
     if world.is_main and name not in _NOTED and world.size > 1:
         _NOTED.add(name)
-        logger.info("[hf-sms] %s is not shared by the processes (not a batch metric, or a stream): the main process "
-                    "computes it", name)  # fmt: skip
+        logger.info(
+            "[hf-sms] %s is not shared by the processes (not a batch metric, or a stream): the main process "
+            "computes it",
+            name,
+        )
     compute = (
         (lambda: evaluate(metric, model, dataset)) if is_batch_metric(metric) else (lambda: metric(model, dataset))
     )

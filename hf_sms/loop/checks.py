@@ -126,8 +126,10 @@ def warn_unused_weights(model, batch) -> list[str]:
             "and counted in the sparsity like the rest, which skews a global allocation and the reported sparsity. "
             "Remove those layers from the model (smp: a `tu-` encoder builds only the stages it uses), or ignore "
             "this if they serve other inputs (experts, training-only heads)",
-            f"{count:,}", 100 * count / sum(t.param.numel() for t in tensors), names,
-        )  # fmt: skip
+            f"{count:,}",
+            100 * count / sum(t.param.numel() for t in tensors),
+            names,
+        )
     return [t.name for t in unused]
 
 
@@ -175,8 +177,12 @@ def preview_shrink(args, model, batch) -> float | None:
             why,
         )
     else:
-        logger.info("[hf-sms] structure=%r at %g: the final soup will have about %.3fx the dense parameters",
-                    structure, target, ratio)  # fmt: skip
+        logger.info(
+            "[hf-sms] structure=%r at %g: the final soup will have about %.3fx the dense parameters",
+            structure,
+            target,
+            ratio,
+        )
     return ratio
 
 

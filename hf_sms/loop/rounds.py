@@ -114,8 +114,9 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
                 model = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
         if placed[folder][0] == world.group_index:
             trained[folder] = model
-        records.append(_record("train", t0, ctx, job=folder, steps=costs[folder], resumed=resumed,
-                               groups=placed[folder]))  # fmt: skip
+        records.append(
+            _record("train", t0, ctx, job=folder, steps=costs[folder], resumed=resumed, groups=placed[folder])
+        )
     t0 = ctx.clock()
     world.wait()  # a group that is done waits for the others, however long they train
     records.append(_record("wait", t0, ctx))
@@ -219,8 +220,14 @@ def _pair_soups(ctx, n: int, make) -> list[dict] | None:
 
 def _record(kind: str, t0: float, ctx, **extra) -> dict:
     w = ctx.world
-    return {"kind": kind, "rank": w.rank, "group": w.group_index, "start": round(t0, 3), "end": round(ctx.clock(), 3),
-            **extra}  # fmt: skip
+    return {
+        "kind": kind,
+        "rank": w.rank,
+        "group": w.group_index,
+        "start": round(t0, 3),
+        "end": round(ctx.clock(), 3),
+        **extra,
+    }
 
 
 def _replicas(spec) -> int:

@@ -278,14 +278,19 @@ class RunDirectory:
                 )
             elif old != self.fingerprint:  # only fields added since, at their defaults (the old behaviour)
                 save_results(self.fingerprint, run_file)
-            partly = {name: how for name, how in (self.fingerprint.get(NOT_COMPARED) or {}).items()
-                      if str(how).startswith(PARTLY)}  # fmt: skip
+            partly = {
+                name: how
+                for name, how in (self.fingerprint.get(NOT_COMPARED) or {}).items()
+                if str(how).startswith(PARTLY)
+            }
             for name, how in partly.items():
                 logger.warning(
                     "[hf-sms] resuming %s: its %s data was compared with the run's by %s; a change elsewhere in it "
                     "goes unseen (use a fresh --output_dir if the data changed)",
-                    self.root, name, how.removeprefix(PARTLY),
-                )  # fmt: skip
+                    self.root,
+                    name,
+                    how.removeprefix(PARTLY),
+                )
             self._remove_stale_temporaries()
             return
         if any(e.name != LOCK_FILE for e in os.scandir(self.root)):

@@ -138,12 +138,11 @@ class SparseModelSoup:
             args.output_dir, fingerprint, is_main=self.world.is_main, defaults=defaults, force=args.resume == "force"
         )
         plan, self.started = args.plan, time.time()
+        data = (metric_fn, eval_dataset, self.test_dataset, lambda: self.example, self.run_dir.path(RESULTS_FILE))
+        timer = (lambda m: plan.timed(self.on_device(m), self.example)) if args.measure_speedup else None
         self.recorder = Recorder(
-            self.results, self.world, self.tests, metric_fn, eval_dataset, self.test_dataset, lambda: self.example,
-            self.run_dir.path(RESULTS_FILE),
-            timer=(lambda m: plan.timed(self.on_device(m), self.example)) if args.measure_speedup else None,
-            achieved=lambda m: plan.achieved(m, self.example),
-        )  # fmt: skip
+            self.results, self.world, self.tests, *data, timer=timer, achieved=lambda m: plan.achieved(m, self.example)
+        )
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
     def set_phases(self, sparsities: list[float]) -> None:
@@ -183,16 +182,16 @@ class SparseModelSoup:
             self.results["world"]["seconds"] = round(self.clock(), 3)
             self.recorder.save()
             if self.world.is_main:
-                soup_dir = self.run_dir.path(FINAL_SOUP)
+                soup_dir, batch = self.run_dir.path(FINAL_SOUP), a.per_device_eval_batch_size
+                # only a smaller model can take a branch the pruned one did not: check it on other batches
+                checks = other_batches(self.eval_dataset, batch, self.collate) if a.plan.cuts_units else ()
                 save_final_soup(
                     self.final_soup,
                     soup_dir,
                     dense=self.pretrained,
                     plan=a.plan,
                     example=self.example,
-                    checks=other_batches(self.eval_dataset, a.per_device_eval_batch_size, self.collate)
-                    if a.plan.cuts_units
-                    else (),  # only a smaller model can take a branch the pruned one did not
+                    checks=checks,
                     recipe=self.recipe(),
                     metrics=self.recorder.final_metrics(),
                     processing_class=self.processing_class,

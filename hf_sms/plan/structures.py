@@ -137,10 +137,16 @@ class Units(Structure):
         stated = _stated(model, example_batch(model, batch), groups, self.kinds)
         left = [g.name for g, ok in zip(groups, stated) if not ok]
         _tell_once(
-            model, left, "fit_config=True leaves %d of %d %s groups dense, since %s's config cannot state their "
+            model,
+            left,
+            "fit_config=True leaves %d of %d %s groups dense, since %s's config cannot state their "
             "widths: %s. Reported unit fractions count every unit; fit_config=False prunes them too (a smaller model "
-            "only hf-sms rebuilds).", len(left), len(groups), "/".join(self.kinds), type(model).__name__,
-        )  # fmt: skip
+            "only hf-sms rebuilds).",
+            len(left),
+            len(groups),
+            "/".join(self.kinds),
+            type(model).__name__,
+        )
         return [g for g, ok in zip(groups, stated) if ok]
 
     def masks(self, plan, model, tensors, scores, current, sparsity, batch):
@@ -169,9 +175,12 @@ class Units(Structure):
         lines = [f"{layer}: {why}" for layer, why in list(trace.skipped.items())[:8]]
         if found and fit_config:
             family = config_family(model)
-            lines.insert(0, f"{len(found)} groups of {self.name}, but {type(model).__name__}'s {family.library} "
-                            "config cannot state fewer of them (e.g. a head size derived from hidden size / heads); "
-                            "fit_config=False prunes them for a smaller model only hf-sms rebuilds")  # fmt: skip
+            lines.insert(
+                0,
+                f"{len(found)} groups of {self.name}, but {type(model).__name__}'s {family.library} "
+                "config cannot state fewer of them (e.g. a head size derived from hidden size / heads); "
+                "fit_config=False prunes them for a smaller model only hf-sms rebuilds",
+            )
         elif other:
             lines.insert(0, f"it has units of {', '.join(other)}")
         more = f" (and {len(trace.skipped) - 8} more)" if len(trace.skipped) > 8 else ""
@@ -282,9 +291,13 @@ def _same_in_train_mode(model: nn.Module, batch, kinds) -> list[UnitGroup]:
         return groups
     left = [g.name for g in groups if _group_key(g) not in train]
     _tell_once(
-        model, left, "%s: %d unit group(s) are read by code only training runs, which an eval-mode forward does not "
-        "show, so they stay dense: %s", type(model).__name__, len(left),
-    )  # fmt: skip
+        model,
+        left,
+        "%s: %d unit group(s) are read by code only training runs, which an eval-mode forward does not "
+        "show, so they stay dense: %s",
+        type(model).__name__,
+        len(left),
+    )
     return [g for g in groups if _group_key(g) in train]
 
 
@@ -360,8 +373,10 @@ for _kind in KINDS:
 
 def _former_name(p: int):
     def allocate(tensors, scores, masks, sparsity):
-        raise ValueError(f"allocation='filter_l{p}' means structure='filters', criterion='l{p}': pass it to "
-                         "compute_masks or SparseSoupConfig, which resolve it")  # fmt: skip
+        raise ValueError(
+            f"allocation='filter_l{p}' means structure='filters', criterion='l{p}': pass it to "
+            "compute_masks or SparseSoupConfig, which resolve it"
+        )
 
     allocate.__doc__ = f"The former name of structure='filters', criterion='l{p}' (Li et al. 2017)."
     return allocate

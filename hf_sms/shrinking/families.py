@@ -85,16 +85,34 @@ class TransformersConfig(ConfigFamily):
     library = "transformers"
     # The FFN width and head counts of transformers configs; a head count keeps the head size (``head_dim``).
     knobs = tuple(
-        [Knob(n, "neurons", counts=True) for n in (
-            "intermediate_size", "d_ff", "n_inner", "ffn_dim", "hidden_dim", "encoder_ffn_dim", "decoder_ffn_dim",
-            "ffn_hidden_size", "inner_dim",
-        )]
+        [
+            Knob(n, "neurons", counts=True)
+            for n in (
+                "intermediate_size",
+                "d_ff",
+                "n_inner",
+                "ffn_dim",
+                "hidden_dim",
+                "encoder_ffn_dim",
+                "decoder_ffn_dim",
+                "ffn_hidden_size",
+                "inner_dim",
+            )
+        ]
         + [Knob("mlp_ratio", "neurons", ratio=True)]  # Swin, ...: the FFN width as a multiple of each stage's
-        + [Knob(n, "heads", counts=True) for n in (
-            "num_attention_heads", "num_key_value_heads", "num_heads", "n_heads", "n_head",
-            "encoder_attention_heads", "decoder_attention_heads",
-        )]
-    )  # fmt: skip
+        + [
+            Knob(n, "heads", counts=True)
+            for n in (
+                "num_attention_heads",
+                "num_key_value_heads",
+                "num_heads",
+                "n_heads",
+                "n_head",
+                "encoder_attention_heads",
+                "decoder_attention_heads",
+            )
+        ]
+    )
 
     def detects(self, model):
         from transformers import PreTrainedModel

@@ -31,8 +31,9 @@ def kinds_of(structure) -> tuple[str, ...]:
     if kinds is not None:
         return tuple(kinds)
     if not isinstance(structure, str) or not all(k.strip() in KINDS for k in structure.split("+")):
-        raise ValueError(f"shrink: structure={structure!r} is not a unit structure; name units of {KINDS}, e.g. "
-                         "'neurons+heads'")  # fmt: skip
+        raise ValueError(
+            f"shrink: structure={structure!r} is not a unit structure; name units of {KINDS}, e.g. 'neurons+heads'"
+        )
     return tuple(k.strip() for k in structure.split("+"))
 
 
@@ -73,8 +74,11 @@ def train_output(model: nn.Module, example_inputs) -> torch.Tensor:
     """``model``'s main output in train mode (:func:`~hf_sms.pruning.prunable.train_forward`: dropout modules off,
     buffers and modes restored); an error carries the last module entered (``hf_sms_module``)."""
     entered = [None]
-    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: entered.__setitem__(0, n))
-             for n, m in model.named_modules() if n]  # fmt: skip
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, n=n: entered.__setitem__(0, n))
+        for n, m in model.named_modules()
+        if n
+    ]
     try:
         with unfused_attention(), train_forward(model):
             device = next(model.parameters()).device

@@ -259,8 +259,12 @@ def _units(model: nn.Module, rec: Recorder) -> Trace:
             if producer_kinds <= linear and consumer_kinds and consumer_kinds <= linear and CHANNELWISE not in by_role:
                 kinds.add("neurons")  # an FFN: no norm or depthwise conv acts on its units
         if not kinds:
-            _skip(skipped, layer, f"made by {', '.join(sorted(producer_kinds))} layers, read by "
-                                      f"{', '.join(sorted(consumer_kinds)) or 'none'}")  # fmt: skip
+            _skip(
+                skipped,
+                layer,
+                f"made by {', '.join(sorted(producer_kinds))} layers, read by "
+                f"{', '.join(sorted(consumer_kinds)) or 'none'}",
+            )
             continue
         flat_roles = {key: {r for r, _ in rs} or {"follower"} for key, rs in roles[leaf].items()}
         found.append(Found(frozenset(kinds), n, dict(where), flat_roles, _describe(producers, [])))
