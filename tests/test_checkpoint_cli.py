@@ -10,10 +10,9 @@ import pytest
 import torch
 from conftest import make_resnet, make_t5
 
-from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
+from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse, uniform_soup
 from hf_sms.checkpoint import merge_checkpoints
 from hf_sms.cli import main
-from hf_sms.soup.soup import uniform_soup
 
 
 def _replicas(make, m=3, sparsity=0.8, seed=0):

@@ -5,7 +5,7 @@ from ..registry import import_submodules
 from .averaging import Accumulator, average_tensors
 from .greedy import greedy_select
 from .method import SoupMethod, indicator_weights
-from .soup import LocalWorld, average_state_dicts, check_same_masks, greedy_soup, soup, uniform_soup
+from .soup import LocalWorld, average_state_dicts, check_same_masks, soup
 
 __all__ = [
     "Accumulator",
@@ -15,10 +15,8 @@ __all__ = [
     "average_tensors",
     "check_same_masks",
     "greedy_select",
-    "greedy_soup",
     "indicator_weights",
     "soup",
-    "uniform_soup",
 ]
 
 import_submodules(__name__, __path__)  # every file registers its entries: a new one needs no import line

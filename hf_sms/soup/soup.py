@@ -1,22 +1,20 @@
 """Making a soup: one function for every soup method, in memory or across processes (docs/method.md §4).
 
-:func:`soup` runs a registered :class:`~hf_sms.soup.method.SoupMethod` on candidates wherever they live: the SMS
-loop passes its :class:`~hf_sms.loop.distributed.ReplicaWorld`, the in-memory helpers :func:`uniform_soup` and
-:func:`greedy_soup` a :class:`LocalWorld`. The weighted mean goes through :mod:`hf_sms.soup.averaging` (float64
-sums, integer buffers from the first kept input), so inputs that share a mask give a soup with that mask, bit for
-bit.
+:func:`soup` runs a registered :class:`~hf_sms.soup.method.SoupMethod` on candidates wherever they live: the SMS loop
+passes its :class:`~hf_sms.loop.distributed.ReplicaWorld`, the in-memory helpers :func:`hf_sms.uniform_soup` and
+:func:`hf_sms.greedy_soup` (:mod:`hf_sms.merging`) a :class:`LocalWorld`. The weighted mean goes through
+:mod:`hf_sms.soup.averaging` (float64 sums, integer buffers from the first kept input), so inputs that share a mask
+give a soup with that mask, bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
-import types
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..plan import compute_masks
 from ..pruning.masks import apply_masks, masks_from_model
 from ..pruning.prunable import Masks
 from ..registry import SOUPS
@@ -131,7 +129,8 @@ def soup(
         recalibrate: called on every trial soup and the result (BatchNorm statistics).
         config: passed to the method's ``select`` (e.g. ``greedy_keep_ties``).
         sparsity, reprune: where a method re-prunes (``same_mask=False``), to what sparsity and how:
-            ``reprune(model, sparsity) -> masks`` (the run's plan on its batch; default: global magnitude).
+            ``reprune(model, sparsity) -> masks`` (the run's plan on its batch; :func:`hf_sms.uniform_soup`: global
+            magnitude).
         base: the model every candidate was retrained from (the phase's pruned start), for methods that
             ``needs_base`` (model_stock, ties, dare).
         options: the method's options (checked against the ones it declares, defaults filled in).
@@ -153,8 +152,11 @@ def soup(
         raise ValueError("nothing to soup: pass candidates, or a template in a process that holds none")
     if spec.same_mask and len(local) > 1:
         check_same_masks(list(local.values()))
-    if not spec.same_mask and spec.reprune and sparsity is None:
-        raise ValueError("this soup re-prunes the mean of candidates with different masks: pass sparsity=")
+    if not spec.same_mask and spec.reprune and (sparsity is None or reprune is None):
+        raise ValueError(
+            "this soup re-prunes the mean of candidates with different masks: pass sparsity= and reprune=<fn(model, "
+            "sparsity) -> masks>, e.g. lambda m, s: hf_sms.compute_masks(m, s)"
+        )
     state = {i: m.state_dict() for i, m in local.items()}
     reference = template.state_dict()
     base_state = base.state_dict() if spec.needs_base else None
@@ -174,7 +176,7 @@ def soup(
         if shared_mask is not None:
             apply_masks(model, shared_mask)
         if not spec.same_mask and spec.reprune:
-            masks = (reprune or compute_masks)(model, sparsity)
+            masks = reprune(model, sparsity)
             apply_masks(model, world.broadcast_masks(masks))
         return recalibrate(model) if recalibrate is not None else model
 
@@ -187,53 +189,3 @@ def soup(
         scores = [trial(indicator_weights([i], n)) for i in range(n)] if evaluate else [0.0] * n
     weights = spec.select(list(scores), trial, config)
     return build(weights), weights
-
-
-def uniform_soup(models: Sequence[nn.Module], reprune_sparsity: float | None = None, allocation: str = "global"):
-    """UniformSoup: the elementwise mean of ``models`` (lambda_i = 1/m).
-
-    Args:
-        models: replicas retrained under the same mask.
-        reprune_sparsity: IMP-RePrune: allow differing masks, average, then magnitude-prune the mean to
-            this sparsity with ``allocation`` (the ``"reprune"`` soup).
-
-    Returns:
-        A new model; BatchNorm statistics are the mean ones, recalibrate before evaluating.
-    """
-    method = "uniform" if reprune_sparsity is None else "reprune"
-    return soup(models, method, sparsity=reprune_sparsity, reprune=lambda m, s: compute_masks(m, s, allocation))[0]
-
-
-def greedy_soup(
-    models: Sequence[nn.Module],
-    evaluate: Callable[[nn.Module], float],
-    recalibrate: Callable[[nn.Module], object] | None = None,
-    scores: Sequence[float] | None = None,
-    keep_ties: bool = False,
-) -> nn.Module:
-    """GreedySoup: add candidates best-first while the validation metric improves (docs/method.md §4).
-
-    Args:
-        models: replicas retrained under the same mask.
-        evaluate: validation metric of a model, higher is better. Never pass test data.
-        recalibrate: called on every trial soup (and candidate) before ``evaluate`` (BatchNorm).
-        scores: the candidates' validation metrics if already known (else computed with ``evaluate``).
-        keep_ties: keep a candidate whose trial soup ties the current metric.
-
-    Returns:
-        The soup, with ``soup.greedy_info = {"order", "kept", "scores", "metric"}`` attached.
-    """
-
-    def recal(model):
-        if recalibrate is not None:
-            recalibrate(model)
-        return model
-
-    if scores is None:
-        scores = [float(evaluate(recal(copy.deepcopy(m)))) for m in models]
-    config = types.SimpleNamespace(greedy_keep_ties=keep_ties)
-    result, weights = soup(models, "greedy", scores=scores, evaluate=evaluate, recalibrate=recal, config=config)
-    order = sorted(range(len(models)), key=lambda i: -scores[i])
-    kept = [i for i in order if weights[i]]
-    result.greedy_info = {"order": order, "kept": kept, "scores": list(scores), "metric": float(evaluate(result))}
-    return result
