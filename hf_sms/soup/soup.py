@@ -32,6 +32,9 @@ class LocalWorld:
     def all_gather(self, value) -> list:
         return [value]
 
+    def wait(self) -> None:
+        pass
+
     def average(self, local: dict[int, StateDict], weights: Sequence[float], template: StateDict) -> StateDict:
         used = [i for i, w in enumerate(weights) if w]
         return average_state_dicts([local[i] for i in used], [weights[i] for i in used])
@@ -167,6 +170,7 @@ def soup(
     if spec.fit is not None:
         every = world.all_candidates(state, n, reference)
         fitted = spec.fit([every[i] for i in range(n)], template, fit, seen["options"], seed) if world.is_main else None
+        world.wait()  # the others wait for the fit however long it takes (a collective's timeout would end the run)
         seen["mixing"] = world.all_gather(fitted)[0]
         del every  # build gathers the candidates again, one soup at a time
 
