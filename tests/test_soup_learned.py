@@ -89,6 +89,9 @@ def test_options_and_inputs_are_refused_before_any_work(tmp_path):
         sms_config(tmp_path, merge_methods=["learned"], replica_params="bias_norm")
     with pytest.raises(ValueError, match="held-out data"):
         soup([Regression(), Regression()], "learned")
+    empty = FitData([], 4, torch.utils.data.default_collate, _mse)
+    with pytest.raises(ValueError, match="no examples"):
+        fit_mixing([Regression().state_dict()], Regression(), empty, DEFAULTS, seed=0)
 
 
 def test_a_run_fits_on_its_own_share_of_validation_and_keeps_the_mask(tmp_path):

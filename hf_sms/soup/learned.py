@@ -82,6 +82,8 @@ def fit_mixing(
     ``options["per_module"]``: one softmax per module instead of per tensor. BatchNorm normalises with batch
     statistics during the fit (its running statistics are about to be recomputed) and dropout is off, so the fit
     is deterministic given ``seed``."""
+    if not len(data.dataset):
+        raise ValueError("the learned soup has no examples to fit on: give it a larger validation set or fraction")
     m, model = len(states), template  # its own parameters are never read: no copy of the model
     names = [n for n, p in model.named_parameters() if p.is_floating_point()]
     group = {n: n.rsplit(".", 1)[0] if options["per_module"] else n for n in names}
