@@ -145,3 +145,19 @@ def test_the_shrink_record_reads_what_it_wrote_and_nothing_else():
     assert ShrinkRecord.of({"recipe": "x"}) is None and ShrinkRecord.of(None) is None
     blocked = "import sys; sys.modules['torch'] = None; import hf_sms.shrink_record"
     assert subprocess.run([sys.executable, "-c", blocked], capture_output=True).returncode == 0
+
+
+def test_the_transformers_check_refuses_only_a_smaller_model_cut_in_place(tmp_path):
+    """A final soup that fell back to the pruned (full-size) model keeps its record's cut: "in place", and
+    transformers may load it; only a smaller model whose widths its config cannot state is refused."""
+    import json
+
+    from hf_sms.checkpoint.transformers_integration import check_dense_folder
+
+    record = {"format": "bitmask", "recipe": {"shrunk": {"saved": "pruned", "cut": "in place", "why": "x"}}}
+    (tmp_path / "sparsity.json").write_text(json.dumps(record))
+    check_dense_folder(str(tmp_path))  # the pruned model: its config states every width
+    record = {"format": "dense", "recipe": {"shrunk": {"saved": "smaller", "cut": "in place"}}}
+    (tmp_path / "sparsity.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="cut in place"):
+        check_dense_folder(str(tmp_path))
