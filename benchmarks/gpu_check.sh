@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check on a lent GPU machine (H200, 2026-11-28: a 100 s, b 37 s, c 40 s, d over 100 s, e 9 s,
-# f 230 s; g, h ~30 s each on a CPU, not yet run on a GPU: about 10 minutes, so a 15-minute lease runs it once; pass the
+# f 230 s; g and h not yet run on a GPU (on this CPU: 32 s and 11 s): about 10 minutes, so a 15-minute lease runs it once; pass the
 # wanted steps first); record what it prints in docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny
 # versions of every step (tests/test_gpu_check.py).
 #

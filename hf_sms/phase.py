@@ -55,6 +55,7 @@ class PhaseSpec:
     exact_masks: bool = True
     trainer_kwargs: Callable[[int], dict] = field(default=lambda i: {})
     member: str = "replica"  # "track" for independent IMP runs
+    diagnosed: bool = True  # its diagnostics reach results.json (recorder.sms); False: a baseline's own phases
 
     def replica_folder(self, i: int) -> str:
         return f"{self.folder}/{self.member}{i}"

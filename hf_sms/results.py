@@ -179,7 +179,8 @@ def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, y
     splits = splits or reported_tests(runs[0])
     phases = [100 * s for s in runs[0]["phases"]]
     pairs = pair_points(runs)
-    fig, axes = plt.subplots(1, len(splits) + bool(pairs), figsize=(6 * (len(splits) + bool(pairs)), 4), squeeze=False)
+    panels = len(splits) + bool(pairs)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     if pairs:
         _scatter_pairs(axes[0][-1], pairs, ylabel)
     for ax, split in zip(axes[0], splits):

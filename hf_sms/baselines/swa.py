@@ -67,7 +67,8 @@ def swamp(ctx):
 
     for p, sparsity in enumerate(ctx.phases):
         hparams = [dataclasses.replace(a, seed=derive_seed(a.seed, "swamp", p, i)) for i in range(a.phase_replicas(p))]
-        result = yield PhaseSpec(sparsity, model, masks, hparams, phase_folder("swamp", p), trainer_kwargs=particle)
+        folder = phase_folder("swamp", p)
+        result = yield PhaseSpec(sparsity, model, masks, hparams, folder, trainer_kwargs=particle, diagnosed=False)
         model, masks = result.soup, result.masks
         ctx.recorder.row("swamp", p, ctx.recorder.measure(model, shared=True))
     return model

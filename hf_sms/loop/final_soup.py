@@ -50,12 +50,12 @@ def save_final_soup(
         loaded, why = None, f"it does not load back as saved ({str(e)[:200]})"
     if loaded is not None:
         try:
-            failed = "" if all(same_outputs(soup, loaded, b) for b in checks) else None
+            if all(same_outputs(soup, loaded, b) for b in checks):
+                return directory
+            detail = ""
         except (ValueError, RuntimeError, IndexError) as e:
-            failed = f": {str(e)[:160]}"
-        if failed == "":
-            return directory
+            detail = f": {str(e)[:160]}"
         why = "its outputs are not the soup's on another validation batch (a branch its traced batch did not take)"
-        why += failed or ""
+        why += detail
     logger.warning("[hf-sms] the final soup is saved as the pruned model, not the smaller one: %s", why)
     return save_sparse(soup, directory, recipe={**recipe, "shrunk": final.shrunk.as_pruned(why).to_json()}, **kwargs)

@@ -174,13 +174,13 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
         kept = [i for i, w in enumerate(weights) if w]
         pairwise = replica_distances(spec.start, states, ctx.args, template)
         pairs = _pair_soups(
-            ctx, n, lambda pair: subset_soup(spec.start, states, pair, ctx.args, val, None, ctx.recalibrate, template)
+            ctx, spec, lambda pair: subset_soup(spec.start, states, pair, ctx.args, val, None, None, template)
         )
         return PhaseResult(result, candidates, val, kept, step, pairwise_l2=pairwise, pair_soups=pairs)
     pairs = None
     if spec.soup is not None and spec.shared:
         pairs = _pair_soups(
-            ctx, len(val), lambda pair: soup(candidates, pair, template=spec.start, world=world, scores=val)
+            ctx, spec, lambda pair: soup(candidates, pair, template=spec.start, world=world, scores=val)
         )
     if spec.soup is not None:
         result, weights = soup(
@@ -203,18 +203,22 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
     return PhaseResult(result, candidates, val, kept, step, pair_soups=pairs)
 
 
-def _pair_soups(ctx, n: int, make) -> list[dict] | None:
+def _pair_soups(ctx, spec: PhaseSpec, make) -> list[dict] | None:
     """With ``pairwise_soups``: the uniform soup of every pair of the phase's n replicas (``make(method) -> (soup,
     weights)``), BatchNorm recalibrated, scored on validation and the first test set: the paper's scatter of each
-    pair's soup against its two ingredients. Every process builds and scores each pair together."""
-    if not ctx.args.pairwise_soups:
+    pair's soup against its two ingredients. Every process builds and scores each pair together, once per phase
+    folder (the trajectories share their first phase's replicas)."""
+    if not (ctx.args.pairwise_soups and spec.diagnosed):
         return None
-    out = []
+    if spec.folder in ctx.pair_soups:
+        return ctx.pair_soups[spec.folder]
+    n, out = len(spec.hparams), []
     for pair in itertools.combinations(range(n), 2):
         select = SoupMethod(lambda scores, trial, config, pair=pair: indicator_weights(pair, n))
         model = ctx.recalibrate(make(select)[0])
         val = ctx.recorder.evaluate(model, ctx.eval_dataset, shared=True)
         out.append({"pair": list(pair), "val": val, "test": ctx.recorder.test_scores(model, shared=True)["test"]})
+    ctx.pair_soups[spec.folder] = out
     return out
 
 

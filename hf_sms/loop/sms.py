@@ -127,6 +127,7 @@ class SparseModelSoup:
         self.collate = collate
         # what every replica and IMP baseline trained (replica_params): the rows compare like with like
         self.results: dict = {"rows": {}, "sms": [], "replica_params": args.replica_params, "notes": notes}
+        self.pair_soups: dict[str, list] = {}  # pairwise_soups, by phase folder: made once where trajectories share
         self.set_phases(phase_sparsities(args.target_sparsity, args.n_phases))
         self.world = ReplicaWorld(args.num_replicas, cpu=args.use_cpu)
         check_world(args, self.world)

@@ -81,7 +81,7 @@ def check_same_masks(models: Sequence[nn.Module]) -> Masks:
 def _combined(method: SoupMethod, world, local, weights, template: StateDict, base: StateDict | None, **seen):
     if method.combine is None and seen["mixing"] is None:
         return world.average(local, weights, template)
-    every = world.all_candidates(local, len(weights), template)
+    every = seen["every"] or world.all_candidates(local, len(weights), template)
     used = [i for i, w in enumerate(weights) if w]
     if seen["mixing"] is not None:  # a learned soup: each parameter its own weights, buffers the plain mean
         mixing = seen["mixing"]
@@ -147,7 +147,7 @@ def soup(
         raise ValueError(f"the {name!r} soup merges updates from the candidates' common start: pass base=<that model>")
     if spec.fit is not None and fit is None:
         raise ValueError(f"the {name!r} soup learns its weights on held-out data: pass fit=FitData(...)")
-    seen = {"options": spec.resolve(name, options), "seed": seed, "mixing": None}
+    seen = {"options": spec.resolve(name, options), "seed": seed, "mixing": None, "every": None}
     local = dict(candidates) if isinstance(candidates, Mapping) else dict(enumerate(candidates))
     world = world if world is not None else LocalWorld()
     template = template if template is not None else next(iter(local.values()), None)
@@ -168,11 +168,10 @@ def soup(
     shared_mask = masks_from_model(template) if own and spec.same_mask else None
     n = len(scores) if scores is not None else len(local)
     if spec.fit is not None:
-        every = world.all_candidates(state, n, reference)
+        every = seen["every"] = world.all_candidates(state, n, reference)  # the fit's, then the soup's
         fitted = spec.fit([every[i] for i in range(n)], template, fit, seen["options"], seed) if world.is_main else None
         world.wait()  # the others wait for the fit however long it takes (a collective's timeout would end the run)
         seen["mixing"] = world.all_gather(fitted)[0]
-        del every  # build gathers the candidates again, one soup at a time
 
     def build(weights: list[float]) -> nn.Module:
         model = copy.deepcopy(template)
