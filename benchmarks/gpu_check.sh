@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check on a lent GPU machine (H200, 2026-11-28: a 100 s, b 37 s, c 40 s, d over 100 s, e 9 s,
-# f 230 s; g and h not yet run on a GPU (on this CPU: 32 s and 11 s): about 10 minutes, so a 15-minute lease runs it once; pass the
-# wanted steps first); record what it prints in docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny
-# versions of every step (tests/test_gpu_check.py).
+# f 230 s; g and h not yet run on a GPU, 32 s and 11 s on this CPU: about 10 minutes, so a 15-minute lease runs it
+# once; pass the wanted steps first); record what it prints in docs/benchmarks.md ("GPU check"). On a CPU,
+# --dry-run runs tiny versions of every step (tests/test_gpu_check.py).
 #
 #   bash benchmarks/gpu_check.sh            # a CUDA GPU (compute capability >= 8.0 for the 2:4 rows)
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: checks that every step runs
