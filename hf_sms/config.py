@@ -212,7 +212,10 @@ class SparseSoupArguments:
     )
     baselines: list[str] = field(
         default_factory=list,
-        metadata={"help": "Baselines run beside SMS: any of imp, imp_mx, imp_phases, imp_swa, swamp, imp_reprune."},
+        metadata={
+            "help": "Baselines run beside SMS: any of imp, imp_mx, imp_phases, imp_swa, swamp, imp_reprune, "
+            "imp_reprune_cia, imp_reprune_caa."
+        },
     )
     replica_params: str = field(
         default="all",

@@ -56,6 +56,7 @@ class PhaseSpec:
     trainer_kwargs: Callable[[int], dict] = field(default=lambda i: {})
     member: str = "replica"  # "track" for independent IMP runs
     diagnosed: bool = True  # its diagnostics reach results.json (recorder.sms); False: a baseline's own phases
+    also: tuple[str, ...] = ()  # more soups of the same candidates (IMP-RePrune's CIA/CAA beside its own)
 
     def replica_folder(self, i: int) -> str:
         return f"{self.folder}/{self.member}{i}"
@@ -82,6 +83,7 @@ class PhaseResult:
     pairwise_l2: list[float] | None = None  # measured where the candidates are not whole models (subset replicas)
     rows: list[dict] | None = None  # a TrackJob's: the measured row of each of its phases
     pair_soups: list[dict] | None = None  # pairwise_soups: {"pair": [i, j], "val", "test"} per pair of replicas
+    also: dict[str, nn.Module] = field(default_factory=dict)  # PhaseSpec.also's soups, by method
 
     @property
     def masks(self):

@@ -23,6 +23,8 @@ ROW_ORDER = (
     "imp_swa",
     "swamp",
     "imp_reprune",
+    "imp_reprune_cia",
+    "imp_reprune_caa",
     "imp",
 )
 ROW_NAMES = {
@@ -37,6 +39,8 @@ ROW_NAMES = {
     "imp_swa": "IMP + SWA",
     "swamp": "SWAMP",
     "imp_reprune": "IMP-RePrune",
+    "imp_reprune_cia": "IMP-RePrune (CIA)",
+    "imp_reprune_caa": "IMP-RePrune (CAA)",
     "imp": "IMP",
 }
 

@@ -7,10 +7,14 @@ import json
 
 from .registry import SOUPS
 
+# the soups IMP-RePrune's baselines make of its m tracks (hf_sms.baselines.imp); their options go in soup_options too
+REPRUNE_SOUPS = {"imp_reprune": "reprune", "imp_reprune_cia": "reprune_cia", "imp_reprune_caa": "reprune_caa"}
+
 
 def resolve_soup_options(config) -> dict[str, dict[str, float]]:
     """``config.soup_options`` (a dict, or its JSON text from the command line) checked against the options each
-    method in ``config.merge_methods`` declares, defaults filled in; raises before any training."""
+    method in ``config.merge_methods`` (or made by a baseline) declares, defaults filled in; raises before any
+    training."""
     given = getattr(config, "soup_options", None) or {}
     if isinstance(given, str):
         try:
@@ -21,7 +25,10 @@ def resolve_soup_options(config) -> dict[str, dict[str, float]]:
         raise ValueError(
             f'soup_options maps a soup method to its options, e.g. {{"ties": {{"density": 0.2}}}}; got {given!r}'
         )
-    stray = sorted(set(given) - set(config.merge_methods))
+    used = list(config.merge_methods) + [s for b, s in REPRUNE_SOUPS.items() if b in (config.baselines or ())]
+    stray = sorted(set(given) - set(used))
     if stray:
-        raise ValueError(f"soup_options names {stray}, which merge_methods={config.merge_methods} does not run")
-    return {m: SOUPS.get(m).resolve(m, given.get(m)) for m in config.merge_methods if SOUPS.get(m).options}
+        raise ValueError(
+            f"soup_options names {stray}, which neither merge_methods={config.merge_methods} nor the baselines run"
+        )
+    return {m: SOUPS.get(m).resolve(m, given.get(m)) for m in used if SOUPS.get(m).options}

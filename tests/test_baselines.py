@@ -2,8 +2,10 @@
 epochs' end weights, mask kept; IMP with m phases (its schedule: tests/test_loop_schedule.py; 1 vs 2 processes:
 tests/test_loop_parallel.py)."""
 
+import copy
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import sms_config
 from transformers import TrainerCallback
@@ -72,3 +74,78 @@ def test_swamp_averages_swa_particles_and_keeps_the_mask(tmp_path):
         particles.append(saved)
     soup = uniform_soup(particles)  # the phase's result, which the row scored (BatchNorm averaged: recalibration off)
     assert rows["swamp"][0]["test"] == accuracy(soup, test)
+
+
+def _tracks(n: int, sparsity: float) -> list[torch.nn.Module]:
+    """``n`` small models, each magnitude-pruned on its own (their masks differ, as independent IMP runs')."""
+    from hf_sms import compute_masks
+    from hf_sms.pruning.masks import apply_masks
+
+    models = []
+    for i in range(n):
+        torch.manual_seed(i)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+        apply_masks(model, compute_masks(model, sparsity))
+        models.append(model)
+    return models
+
+
+def _superposed_reference(models, weights, sparsity):
+    """Sup-tickets' superposition written out: the running soup re-pruned (global magnitude) after every join."""
+    from hf_sms import compute_masks
+    from hf_sms.pruning.masks import apply_masks
+
+    running = copy.deepcopy(models[0])
+    for model, w in zip(models[1:], weights):
+        mixed = {k: (1 - w) * v.double() + w * model.state_dict()[k].double() for k, v in running.state_dict().items()}
+        running.load_state_dict({k: v.float() for k, v in mixed.items()})
+        apply_masks(running, compute_masks(running, sparsity))
+    return running
+
+
+@pytest.mark.parametrize(("method", "weights"), [("reprune_caa", [1 / 2, 1 / 3, 1 / 4]), ("reprune_cia", [0.5] * 3)])
+def test_cia_and_caa_superpose_one_at_a_time_and_reprune_after_each(method, weights):
+    from hf_sms import compute_masks, uniform_soup
+    from hf_sms.soup import soup
+
+    models = _tracks(4, 0.6)
+    merged, _ = soup(models, method, sparsity=0.6, reprune=lambda m, s: compute_masks(m, s))
+    reference = _superposed_reference(models, weights, 0.6)
+    for (name, got), want in zip(merged.state_dict().items(), reference.state_dict().values()):
+        assert torch.allclose(got, want, atol=1e-6), name
+    kept = sum(int((p != 0).sum()) for n, p in merged.named_parameters() if n.endswith("weight"))
+    assert kept == round(0.4 * (12 * 10 + 10 * 3))  # the phase's sparsity, exactly
+    plain = uniform_soup(models, reprune_sparsity=0.6)  # re-pruning once at the end is another model
+    assert not torch.allclose(plain[0].weight, merged[0].weight)
+    if method == "reprune_caa":  # nothing to re-prune: the cumulative mean is the plain mean
+        dense, _ = soup(models, method, sparsity=0.0, reprune=lambda m, s: compute_masks(m, s))
+        assert torch.allclose(dense[0].weight, uniform_soup(models, reprune_sparsity=0.0)[0].weight, atol=1e-6)
+
+
+def test_cia_decay_is_an_option_of_its_baseline(tmp_path):
+    args = sms_config(tmp_path, baselines=["imp_reprune_cia"], soup_options={"reprune_cia": {"decay": 0.25}})
+    assert args.soup_options["reprune_cia"] == {"decay": 0.25}
+    with pytest.raises(ValueError, match="nor the baselines run"):
+        sms_config(tmp_path, baselines=["imp_reprune"], soup_options={"reprune_cia": {"decay": 0.25}})
+    with pytest.raises(ValueError, match="decay"):
+        sms_config(tmp_path, baselines=["imp_reprune_cia"], soup_options={"reprune_cia": {"decay": 0}})
+
+
+def test_imp_reprune_cia_and_caa_merge_the_same_tracks(tmp_path):
+    """One set of m IMP tracks serves every IMP-RePrune asked for; each row is its own merge of those tracks."""
+    from hf_sms import compute_masks
+    from hf_sms.soup import soup
+
+    train, val, test = load_digits_splits(seed=0)
+    args = sms_config(tmp_path, baselines=["imp_reprune_caa", "imp_reprune_cia"], recalibrate_bn=False, n_phases=1)
+    torch.manual_seed(0)
+    model, accuracy = DigitsResNet(width=4), ClassificationAccuracy()
+    _, results = run_sms(model, args, train, accuracy, eval_dataset=val, test_dataset=test)
+    rows = results["rows"]
+    assert {"imp", "imp_reprune_cia", "imp_reprune_caa"} <= set(rows) and "imp_reprune" not in rows
+    folder = tmp_path / "run" / "imp" / "phase1"
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["track0", "track1"]  # trained once
+    tracks = [load_sparse(str(folder / f"track{i}"), DigitsResNet(width=4)) for i in range(2)]
+    for name in ("reprune_caa", "reprune_cia"):
+        merged, _ = soup(tracks, name, sparsity=0.8, reprune=lambda m, s: compute_masks(m, s))
+        assert rows["imp_" + name][0]["test"] == accuracy(merged, test)

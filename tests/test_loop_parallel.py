@@ -43,7 +43,7 @@ def _max_diff(a, b) -> float:
 def sequential(tmp_path_factory):
     out = tmp_path_factory.mktemp("seq") / "run"
     _run(_cmd(1, "sms_digits.py", out, "--baselines", "imp", "imp_reprune", "imp_phases", "imp_swa",
-              "swamp"))  # fmt: skip
+              "swamp", "imp_reprune_cia", "imp_reprune_caa"))  # fmt: skip
     return out
 
 
@@ -56,14 +56,14 @@ def test_world_collectives_on_two_processes(mode, tmp_path):
 def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
     out = tmp_path / "run"
     _run(_cmd(2, "sms_digits.py", out, "--baselines", "imp", "imp_reprune", "imp_phases", "imp_swa",
-              "swamp"))  # fmt: skip
+              "swamp", "imp_reprune_cia", "imp_reprune_caa"))  # fmt: skip
     assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
     for rank in (0, 1):  # code after run_sms sees the launcher's variables again (they were deleted for good)
         assert (out / f"env-rank{rank}.txt").read_text() == f"RANK={rank} WORLD_SIZE=2 LOCAL_RANK={rank}"
     par, seq = (json.loads((d / "results.json").read_text()) for d in (out, sequential))
     assert untimed(par["rows"]) == untimed(seq["rows"]) and par["dense"] == seq["dense"]
     assert set(par["rows"]["sms_greedy"][-1]["tests"]) == {"test", "ood", "groups"}  # named test sets in parallel
-    for name in ("imp_phases", "imp_swa", "swamp"):  # the appendix baselines and SWAMP, in the pool too
+    for name in ("imp_phases", "imp_swa", "swamp", "imp_reprune_cia", "imp_reprune_caa"):  # the appendix baselines
         assert [r["sparsity"] for r in par["rows"][name]] == [r["sparsity"] for r in par["rows"]["imp"]]
     assert (out / "imp_phases" / "phase4" / "track0").is_dir()  # m = 2 phases per SMS phase, beside the replicas
     for p, s in zip(par["sms"], seq["sms"]):

@@ -79,8 +79,9 @@ def check_subset(config) -> None:
             f"weighted mean under one mask; {sorted(set(config.merge_methods) - set(linear))} is not one (use uniform "
             "or greedy, or replica_params='all')"
         )
-    if "imp_reprune" in config.baselines:
-        raise ValueError("baselines: imp_reprune averages replicas with different masks; leave it out with subsets")
+    reprunes = [b for b in config.baselines if b.startswith("imp_reprune")]
+    if reprunes:
+        raise ValueError(f"baselines: {reprunes} average replicas with different masks; leave them out with subsets")
     if isinstance(config.lora_rank, bool) or not isinstance(config.lora_rank, int) or config.lora_rank < 1:
         raise ValueError(f"lora_rank must be a positive integer, got {config.lora_rank!r}")
     if not config.lora_alpha > 0 or not 0 <= config.lora_dropout < 1:

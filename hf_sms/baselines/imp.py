@@ -12,6 +12,7 @@ import dataclasses
 from ..phase import PhaseSpec, TrackJob, phase_folder
 from ..registry import BASELINES
 from ..seeding import derive_seed
+from ..soup_options import REPRUNE_SOUPS
 
 
 def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = False, callbacks=lambda: []):
@@ -28,13 +29,16 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = 
             ctx.recorder.row(name, p, row)
         return
     template = ctx.pretrained.state_dict()
+    # several tracks: IMP-RePrune, their average re-pruned to the phase's sparsity (plain, CIA, CAA: as asked)
+    reprunes = [b for b in REPRUNE_SOUPS if b in args.baselines] if n_tracks > 1 else []
+    soups = [REPRUNE_SOUPS[b] for b in reprunes]
     tracks = {i: copy.deepcopy(ctx.pretrained) for i in range(n_tracks)}
     masks: dict = {}
     for p, sparsity in enumerate(phases):
         hparams = [_hparams(args, name, p, i, times_m) for i in range(n_tracks)]
-        reprune = "reprune" if n_tracks > 1 else None  # the tracks' average, re-pruned to the phase's sparsity
         folder, fresh = phase_folder(name, p), lambda i: {"callbacks": callbacks()}  # each training its own
-        spec = PhaseSpec(sparsity, tracks, masks, hparams, folder, reprune, member="track", trainer_kwargs=fresh)
+        spec = PhaseSpec(sparsity, tracks, masks, hparams, folder, soups[0] if soups else None, member="track")
+        spec.trainer_kwargs, spec.also = fresh, tuple(soups[1:])
         result = yield spec  # no mask broadcast: IMP runs are independent
         # every track and its mask on every process: the next phase may train it on another group
         local = {i: t.state_dict() for i, t in result.candidates.items()}
@@ -50,8 +54,9 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = 
             continue
         # track 0's rows: every process holds it and shares its test sets (its owner scored validation already)
         ctx.recorder.row(name, report[p], ctx.recorder.measure(tracks[0], val=result.val[0], shared=True))
-        if result.soup is not None:
-            ctx.recorder.row("imp_reprune", p, ctx.recorder.measure(result.soup, shared=True))
+        for b in reprunes:
+            merged = result.soup if REPRUNE_SOUPS[b] == spec.soup else result.also[REPRUNE_SOUPS[b]]
+            ctx.recorder.row(b, p, ctx.recorder.measure(merged, shared=True))
 
 
 def _hparams(args, name: str, p: int, i: int, times_m: bool):
@@ -92,9 +97,8 @@ def sub_phases(phases: list[float], m: list[int], split: bool = True) -> tuple[l
 
 def _needs_two(config) -> None:
     if config.num_replicas < 2:
-        raise ValueError(
-            "baselines=['imp_reprune'] averages num_replicas independent IMP runs, so it needs num_replicas >= 2"
-        )
+        asked = [b for b in REPRUNE_SOUPS if b in config.baselines]
+        raise ValueError(f"baselines={asked} averages num_replicas independent IMP runs, so it needs num_replicas >= 2")
 
 
 def _needs_more_phases(config) -> None:
@@ -105,7 +109,7 @@ def _needs_more_phases(config) -> None:
 @BASELINES.register("imp")
 def imp(ctx):
     """IMP: m = 1, the same retraining per phase as one replica."""
-    if "imp_reprune" not in ctx.args.baselines:  # IMP-RePrune's first track is this IMP run
+    if not _reprunes(ctx.args):  # IMP-RePrune's first track is this IMP run
         return run_imp(ctx, "imp", n_tracks=1)
     return None
 
@@ -123,7 +127,31 @@ def imp_phases(ctx):
     return run_imp(ctx, "imp_phases", n_tracks=1, split=True)
 
 
+def _reprunes(args) -> list[str]:
+    return [b for b in REPRUNE_SOUPS if b in args.baselines]
+
+
+def _imp_reprune(ctx, name: str):
+    """m independent IMP runs (their masks diverge), run once for every IMP-RePrune asked for: the first one asked
+    starts them, each records the merge it names."""
+    return run_imp(ctx, "imp", n_tracks=ctx.args.num_replicas) if _reprunes(ctx.args)[0] == name else None
+
+
 @BASELINES.register("imp_reprune", check=_needs_two)
 def imp_reprune(ctx):
     """IMP-RePrune: m independent IMP runs (their masks diverge), averaged and re-pruned after each phase."""
-    return run_imp(ctx, "imp", n_tracks=ctx.args.num_replicas)
+    return _imp_reprune(ctx, "imp_reprune")
+
+
+@BASELINES.register("imp_reprune_cia", check=_needs_two)
+def imp_reprune_cia(ctx):
+    """IMP-RePrune with CIA (Yin et al. 2022a): the same m IMP runs superposed one at a time as a moving average,
+    re-pruned after each (:mod:`hf_sms.soup.superpose`)."""
+    return _imp_reprune(ctx, "imp_reprune_cia")
+
+
+@BASELINES.register("imp_reprune_caa", check=_needs_two)
+def imp_reprune_caa(ctx):
+    """IMP-RePrune with CAA (Yin et al. 2022a): the same m IMP runs superposed one at a time as a cumulative mean,
+    re-pruned after each (:mod:`hf_sms.soup.superpose`)."""
+    return _imp_reprune(ctx, "imp_reprune_caa")

@@ -182,10 +182,11 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
         pairs = _pair_soups(
             ctx, spec, lambda pair: soup(candidates, pair, template=spec.start, world=world, scores=val)
         )
-    if spec.soup is not None:
-        result, weights = soup(
+
+    def make(method: str):
+        return soup(
             candidates,
-            spec.soup,
+            method,
             template=spec.start if spec.shared else ctx.pretrained,
             world=world,
             scores=val,
@@ -195,12 +196,16 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
             sparsity=spec.sparsity,
             reprune=lambda model, sparsity: plan.masks(model, sparsity, example_inputs=example),
             base=spec.start if spec.shared else None,  # the pruned start every replica retrained from
-            options=ctx.args.soup_options.get(spec.soup),
+            options=ctx.args.soup_options.get(method),
             seed=derive_seed(ctx.args.seed, "soup", spec.folder),
             fit=ctx.fit_data,  # the learned soup's held-out share of validation
         )
+
+    if spec.soup is not None:
+        result, weights = make(spec.soup)
         kept = [i for i, w in enumerate(weights) if w]
-    return PhaseResult(result, candidates, val, kept, step, pair_soups=pairs)
+    also = {method: make(method)[0] for method in spec.also}
+    return PhaseResult(result, candidates, val, kept, step, pair_soups=pairs, also=also)
 
 
 def _pair_soups(ctx, spec: PhaseSpec, make) -> list[dict] | None:

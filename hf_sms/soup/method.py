@@ -90,6 +90,9 @@ class SoupMethod:
         same_mask: the candidates must share one mask (checked); ``False``: their masks may differ.
         reprune: with differing masks, magnitude-prune the soup to the phase's sparsity (IMP-RePrune); ``False``:
             leave it as it is (DPF's dense copies, which the next pruning step masks).
+        superpose: ``fn(k, options) -> w``: the candidates join one at a time, the k-th (k >= 2, in candidate
+            order) with weight w against the running soup's 1 - w, the soup re-pruned after each (Sup-tickets' CAA
+            and CIA, Yin et al. 2022a); ``None``: all at once.
     """
 
     select: Select
@@ -100,12 +103,13 @@ class SoupMethod:
     needs_validation: bool = False
     same_mask: bool = True
     reprune: bool = True
+    superpose: Callable[[int, Mapping[str, float]], float] | None = None
 
     @property
     def weighted_mean(self) -> bool:
         """A weighted mean of candidates under one mask (uniform, greedy): what subset replicas and streamed merges
         can make without every candidate's tensors at once."""
-        return self.combine is None and self.fit is None and self.same_mask
+        return self.combine is None and self.fit is None and self.superpose is None and self.same_mask
 
     def resolve(self, name: str, given: Mapping | None) -> dict[str, float]:
         """``given`` checked against the declared options, defaults filled in; raises naming what is wrong."""

@@ -102,6 +102,19 @@ def _combined(method: SoupMethod, world, local, weights, template: StateDict, ba
     }
 
 
+@torch.no_grad()
+def _superpose(spec: SoupMethod, model: nn.Module, every, weights, options, reprune, world) -> None:
+    """Load ``model`` with the kept candidates joined one at a time (``spec.superpose``), re-pruned after each join
+    but the last (the soup's own re-pruning follows)."""
+    used = [i for i, w in enumerate(weights) if w]
+    model.load_state_dict(every[used[0]])
+    for k, i in enumerate(used[1:], 2):
+        w, running = spec.superpose(k, options), model.state_dict()
+        model.load_state_dict({key: average_tensors([running[key], every[i][key]], [1 - w, w]) for key in running})
+        if k < len(used):
+            apply_masks(model, world.broadcast_masks(reprune(model)))
+
+
 def soup(
     candidates: Mapping[int, nn.Module] | Sequence[nn.Module],
     method: str | SoupMethod = "uniform",
@@ -175,7 +188,11 @@ def soup(
 
     def build(weights: list[float]) -> nn.Module:
         model = copy.deepcopy(template)
-        model.load_state_dict(_combined(spec, world, state, weights, reference, base_state, **seen))
+        if spec.superpose is not None:
+            every = seen["every"] = seen["every"] or world.all_candidates(state, n, reference)
+            _superpose(spec, model, every, weights, seen["options"], lambda m: reprune(m, sparsity), world)
+        else:
+            model.load_state_dict(_combined(spec, world, state, weights, reference, base_state, **seen))
         if shared_mask is not None:
             apply_masks(model, shared_mask)
         if not spec.same_mask and spec.reprune:
