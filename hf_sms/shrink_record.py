@@ -21,6 +21,7 @@ _TYPES = {  # what a field read from a file must be
     "dense_parameters": int,
     "parameter_ratio": (int, float),
     "why": str,
+    "plain": str,
 }
 
 
@@ -38,6 +39,8 @@ class ShrinkRecord:
         zero_units_kept: removed units kept as zeros where the config cannot state a smaller width.
         parameters, dense_parameters, parameter_ratio: the smaller model's parameters against the dense one's.
         why: why the pruned model was saved instead.
+        plain: a smaller model cut in place: the route that loads it without hf-sms (``"timm"``: timm's
+            ``adapt_model_from_string`` widths in ``pruned.txt``; ``"torch.export"``: ``model.pt2``), or ``None``.
     """
 
     saved: str
@@ -50,6 +53,7 @@ class ShrinkRecord:
     dense_parameters: int | None = None
     parameter_ratio: float | None = None
     why: str | None = None
+    plain: str | None = None
 
     @property
     def smaller(self) -> bool:

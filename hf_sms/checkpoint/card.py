@@ -239,6 +239,20 @@ def _loading_line(info: dict) -> str:
     """The card's first words: whether loading needs hf-sms, and how to get a copy that does not."""
     family, shrunk = _family(info), ShrinkRecord.of(info)
     smaller = shrunk is not None and shrunk.smaller
+    if shrunk is not None and shrunk.cut_in_place and shrunk.plain == "timm":
+        return (
+            "**No hf-sms needed**: a smaller model with whole units cut out where timm's config cannot state the "
+            "widths; `pruned.txt` states them in the form of timm's own `adapt_model_from_string` (how timm loads its "
+            "pruned EfficientNets): the three timm lines below load it. `hf_sms.load_sparse(DIR)` loads it too."
+        )
+    if shrunk is not None and shrunk.cut_in_place and shrunk.plain == "torch.export":
+        return (
+            "**No hf-sms needed to run it**: a smaller model with whole units cut out where its library's config "
+            "cannot state the widths. `model.pt2` is a `torch.export` program of its forward (any batch size, and "
+            "sequence length for token inputs) that runs with torch alone: the forward only, no `generate`, no "
+            "training, no changing the model. To fine-tune or generate, `pip install hf-sms`, then "
+            "`hf_sms.load_sparse(DIR)` (plain torch: `model=MyModel(...)`) cuts the model to the stored widths."
+        )
     if family.library == "torch":
         return (
             "**Loading needs hf-sms and the model's code**: `pip install hf-sms`, then "
@@ -274,8 +288,9 @@ def write_card(folder: str, name: str, existing: str | None = None) -> None:
 
 def _how_to_load(info: dict, repo: str) -> str:
     shrunk = ShrinkRecord.of(info)
-    own = not (shrunk is not None and shrunk.cut_in_place)  # only hf-sms rebuilds a cut in place
-    snippet = _family(info).load_snippet(info.get("architecture"), info.get("format"), repo, hub=True, own=own)
+    in_place = shrunk is not None and shrunk.cut_in_place  # hf-sms rebuilds a cut in place, or its plain route
+    plain = shrunk.plain if in_place else None
+    snippet = _family(info).load_snippet(info.get("architecture"), info.get("format"), repo, True, not in_place, plain)
     return "```python\n" + snippet + "\n```"
 
 

@@ -23,8 +23,11 @@ MANIFEST_SINCE = 2
 QUANT_METHOD = "hf-sms-sparse, loaded after `import hf_sms` (pip install hf-sms)"
 QUANT_METHODS = (QUANT_METHOD, "hf-sms-sparse")
 
+TIMM_WIDTHS = "pruned.txt"  # a smaller timm model's widths, in timm's adapt_model_from_string form
+PROGRAM = "model.pt2"  # a smaller model's torch.export program (hf_sms.checkpoint.plain)
+
 # Files a save replaces in an existing folder, and a merge does not copy from its first input.
-_WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", SPARSITY_NAME)
+_WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", SPARSITY_NAME, TIMM_WIDTHS, PROGRAM)
 STALE_FILES = re.compile(r"^(" + "|".join(map(re.escape, _WEIGHT_FILES)) + r"|model-\d+-of-\d+\.safetensors)$")
 
 # Files a checkpoint publishes (Hub upload, a merge's companion copy): weights, configs, tokenizer and processor
@@ -39,6 +42,8 @@ _PUBLISHED = (
     r"(vocab\.(json|txt)|merges\.txt|[^/]*\.model|spiece\.model|sentencepiece\.bpe\.model)",
     re.escape(SPARSITY_NAME),
     re.escape(CARD_NAME),
+    re.escape(TIMM_WIDTHS),
+    re.escape(PROGRAM),
 )
 PUBLISHED_FILES = re.compile(r"^(" + "|".join(_PUBLISHED) + r")$")
 

@@ -14,7 +14,7 @@ import re
 from typing import TYPE_CHECKING, Protocol
 
 from ..registry import Registry
-from .constants import CONFIG_NAME, FORMAT_VERSION, QUANT_METHOD, QUANT_METHODS, WEIGHTS_NAME
+from .constants import CONFIG_NAME, FORMAT_VERSION, PROGRAM, QUANT_METHOD, QUANT_METHODS, TIMM_WIDTHS, WEIGHTS_NAME
 from .folder import read_json, write_json
 from .state import load_into, unique_tensors
 
@@ -33,6 +33,34 @@ class CheckpointInfo(Protocol):
 
 def _literal(text: str) -> str:
     return json.dumps(text)  # a double-quoted string that is also a valid Python literal
+
+
+def plain_route_lines(route: str, location: str, hub: bool) -> list[str]:
+    """The lines that load a smaller model cut in place by its plain ``route`` (:mod:`hf_sms.checkpoint.plain`)
+    from ``location`` without hf-sms."""
+    head = ["from huggingface_hub import hf_hub_download"] if hub else []
+
+    def path(name: str) -> str:
+        return f"hf_hub_download({_literal(location)}, {_literal(name)})" if hub else _literal(f"{location}/{name}")
+
+    if route == "timm":
+        source = _literal(f"{'hf-hub' if hub else 'local-dir'}:{location}")
+        return [
+            "import timm",
+            *head,
+            "from safetensors.torch import load_file",
+            "from timm.models import adapt_model_from_string",
+            "",
+            f"model = timm.create_model({source}, pretrained=False)",
+            f"model = adapt_model_from_string(model, open({path(TIMM_WIDTHS)}).read())",
+            f"model.load_state_dict(load_file({path(WEIGHTS_NAME)}))",
+        ]
+    return [
+        "import torch",
+        *head,
+        "",
+        f"model = torch.export.load({path(PROGRAM)}).module()  # the forward only: no generate, no training",
+    ]
 
 
 class Family:
@@ -108,7 +136,9 @@ class Family:
         """Lines that load the checkpoint with the family's own loader, or ``None`` if it cannot."""
         return None
 
-    def load_snippet(self, architecture: str, fmt: str, location: str, hub: bool = True, own: bool = True) -> str:
+    def load_snippet(
+        self, architecture: str, fmt: str, location: str, hub: bool = True, own: bool = True, plain: str | None = None
+    ) -> str:
         """Python code that loads the checkpoint (shown in model cards and by ``hf-sms inspect``).
 
         Args:
@@ -117,8 +147,11 @@ class Family:
             location: the Hub repository id, or a local folder.
             hub: whether ``location`` is a Hub repository.
             own: the family's own loader where it has one; ``False``: :func:`hf_sms.load_sparse` (a smaller model
-                cut in place, which only hf-sms rebuilds).
+                cut in place, which only hf-sms rebuilds), or its plain route.
+            plain: a smaller model cut in place: the route that loads it without hf-sms (``ShrinkRecord.plain``).
         """
+        if not own and plain is not None:
+            return "\n".join(plain_route_lines(plain, location, hub))
         if architecture is not None and not re.fullmatch(
             r"[A-Za-z_]\w{0,200}(\.[A-Za-z_]\w{0,200}){0,20}", str(architecture), re.ASCII
         ):

@@ -86,6 +86,12 @@ class CheckpointFiles:
         return record is not None and record.cut_in_place
 
     @property
+    def plain_route(self) -> str | None:
+        """A smaller model cut in place: the route that loads it without hf-sms, if one was saved."""
+        record = ShrinkRecord.of(self.info)
+        return record.plain if record is not None and record.cut_in_place else None
+
+    @property
     def family(self) -> Family:
         return get_family(self.library)
 

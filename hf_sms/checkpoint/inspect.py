@@ -171,7 +171,9 @@ def inspect_checkpoint(directory: str) -> dict:
         "recipe": (info or {}).get("recipe"),
         "metrics": (info or {}).get("metrics"),
         "how_to_load": (
-            family.load_snippet(files.architecture, files.format, location, hub=False, own=not files.cut_in_place)
+            family.load_snippet(
+                files.architecture, files.format, location, False, not files.cut_in_place, files.plain_route
+            )
             if family
             else None
         ),

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from accelerate import init_empty_weights
 from torch import nn
 
 from ..atomic import atomic_path
+from ..shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 from ..shrinking.cut import resize_to
 from ..shrinking.families import config_family
+from ..shrinking.fit import cut_unstated
 from .card import write_card
 from .codec import crc32
 from .constants import CARD_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME
@@ -17,6 +20,7 @@ from .families import FAMILIES, Family
 from .folder import atomic_folder, weight_files, write_sparsity
 from .integrity import weight_manifest
 from .masks import MaskStats, eligible
+from .plain import write_plain_route
 from .reader import SparseCheckpoint, check_masks
 from .runtime_load import load_runtime
 from .safetensors_io import SafetensorsFile, WeightsWriter
@@ -68,6 +72,7 @@ def save_sparse(
     recipe: dict | None = None,
     metrics: dict | None = None,
     processing_class=None,
+    example_inputs=None,
 ) -> str:
     """Save ``model`` as a checkpoint folder its family's loader knows, plus ``sparsity.json``.
 
@@ -82,6 +87,10 @@ def save_sparse(
         recipe: the soup recipe, e.g. ``{"phases": [...], "m": 3, "varied": "seed", "merge_method": "uniform"}``.
         metrics: e.g. ``{"accuracy": 0.91}``.
         processing_class: a tokenizer / image processor to save alongside.
+        example_inputs: a batch the model takes. Only a smaller model cut in place (:func:`hf_sms.shrink` where
+            its library's config cannot state the widths) uses it: the plain route that loads it without hf-sms is
+            checked on it (timm's ``pruned.txt``, else a ``torch.export`` program ``model.pt2``:
+            :mod:`hf_sms.checkpoint.plain`). Default: a batch its family makes (transformers, timm, smp).
 
     Returns:
         ``directory``.
@@ -89,12 +98,19 @@ def save_sparse(
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     family = family_of_model(model)
+    shrunk = ShrinkRecord.of({"recipe": recipe})
+    if shrunk is None and family.library != "torch" and cut_unstated(model):  # a cut in place, unrecorded
+        shrunk = ShrinkRecord(SMALLER, cut=IN_PLACE)
     with atomic_folder(directory, "update") as tmp:
         architecture, aliases = family.save(model, tmp)
         if processing_class is not None:
             processing_class.save_pretrained(tmp)
         stats, checksums = _store_weights(tmp, format)
         family.write_config(tmp, format)
+        if shrunk is not None and shrunk.cut_in_place:  # a route to load it without hf-sms, where one works
+            example = example_inputs if example_inputs is not None else config_family(model).example(model)
+            route = write_plain_route(model, tmp, family.library, format, example)
+            recipe = {**(recipe or {}), "shrunk": dataclasses.replace(shrunk, plain=route).to_json()}
         write_sparsity(
             tmp,
             format=format,

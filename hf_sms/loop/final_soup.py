@@ -43,7 +43,8 @@ def save_final_soup(
         logger.warning("[hf-sms] the final soup is saved as the pruned model, not a smaller one: %s", final.shrunk.why)
         return save_sparse(soup, directory, recipe={**recipe, "shrunk": final.shrunk.to_json()}, **kwargs)
     template = copy.deepcopy(dense) if final.shrunk.cut_in_place else None  # its code builds it
-    save_sparse(final.model, directory, final.fmt, recipe={**recipe, "shrunk": final.shrunk.to_json()}, **kwargs)
+    recipe = {**recipe, "shrunk": final.shrunk.to_json()}
+    save_sparse(final.model, directory, final.fmt, recipe=recipe, example_inputs=example, **kwargs)
     try:
         loaded = load_sparse(directory, model=template)  # as a user loads it: its own config, or hf-sms's cut
     except (ValueError, RuntimeError) as e:

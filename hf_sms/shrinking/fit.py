@@ -234,7 +234,26 @@ def states_itself(model: nn.Module) -> bool:
     """Whether ``model``'s family builds a model of exactly its shapes from its own config (a smaller model cut to
     widths its config states), rather than one only a cut in place has."""
     family = config_family(model)
-    return _built(family, model, {}, {}) == tensor_shapes(model)
+    return _built(family, model, {}, _cache(family, model)) == tensor_shapes(model)
+
+
+def cut_unstated(model: nn.Module) -> bool:
+    """Whether ``model`` is smaller than what its family builds from its own config, tensor by tensor (the same
+    tensors, none larger, some smaller): a smaller model cut in place, which only a record of the cut rebuilds."""
+    family = config_family(model)
+    built, shapes = _built(family, model, {}, _cache(family, model)), tensor_shapes(model)
+    if built is None or built.keys() != shapes.keys() or built == shapes:
+        return False
+    return all(len(shapes[k]) == len(b) and all(s <= t for s, t in zip(shapes[k], b)) for k, b in built.items())
+
+
+def _cache(family, model: nn.Module) -> dict:
+    """The builds of ``model``'s family for its config (they depend on the config, not the weights)."""
+    key = (type(model).__qualname__, repr(family.values(model)), tuple(tensor_shapes(model).items()))
+    cache = _BUILDS.setdefault(key, {})
+    if len(_BUILDS) > 8:
+        _BUILDS.pop(next(iter(_BUILDS)))
+    return cache
 
 
 def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], multiple_of: int = 1) -> Fit | None:
@@ -242,10 +261,7 @@ def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], mul
     of ``multiple_of``), or ``None`` where the family rebuilds nothing (plain torch). Groups no knob states keep
     every unit."""
     family = config_family(model)
-    key = (type(model).__qualname__, repr(family.values(model)), tuple(tensor_shapes(model).items()))
-    cache = _BUILDS.setdefault(key, {})  # builds depend on the config, not the weights: a run fits twice
-    if len(_BUILDS) > 8:
-        _BUILDS.pop(next(iter(_BUILDS)))
+    cache = _cache(family, model)  # a run fits twice
     if _built(family, model, {}, cache) is None:
         return None
     dense = tensor_shapes(model)

@@ -1,0 +1,174 @@
+"""Smaller models their own library loads, without hf-sms (docs/checkpoints.md, "Smaller models").
+
+A smaller model cut in place (its library's config cannot state the widths, ``ShrinkRecord.cut_in_place``) is
+saved with a plain route beside its weights, the first of these that gives the model's outputs:
+
+- ``"timm"``: ``pruned.txt``, the weight shape of every conv, norm and linear layer in the form of timm's own
+  ``adapt_model_from_string`` (how timm's ``*_pruned`` EfficientNets load): ``create_model``, adapt, then
+  ``load_state_dict`` of the plain ``model.safetensors`` (dense format only). timm rebuilds depthwise but not
+  grouped convolutions (RegNet's), so some timm models take the next route.
+- ``"torch.export"``: ``model.pt2``, a ``torch.export`` program of the eval forward on the model's usual inputs
+  (by name where the model takes a dict), batch size free (and sequence length, for token inputs), which runs with
+  torch alone: the forward only (no ``generate``, no training), outputs as plain dicts (transformers' ``logits``...),
+  its own copy of the weights.
+
+Each route is checked before it is offered: what it loads computes the saved model's outputs on the example batch
+(the exported program also on a batch twice as large).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from ..shrinking.shrink import eval_output
+from .constants import PROGRAM, TIMM_WIDTHS, WEIGHTS_NAME
+
+logger = logging.getLogger("hf_sms")
+
+
+def timm_widths(model: nn.Module) -> str:
+    """``model``'s layer widths in timm's ``adapt_model_from_string`` form (``name.weight:[shape]***...``)."""
+    layers = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
+    return "***".join(
+        f"{name}.weight:[{', '.join(map(str, m.weight.shape))}]"
+        for name, m in model.named_modules()
+        if isinstance(m, layers) and m.weight is not None
+    )
+
+
+def write_plain_route(model: nn.Module, folder: str, library: str, fmt: str, example) -> str | None:
+    """Write the first plain route that reproduces ``model`` (saved in ``folder`` by its family, config final) and
+    return its name, or ``None`` (the log says why)."""
+    inputs = _inputs(example)
+    if inputs is None:
+        logger.info("[hf-sms] no plain route for this smaller model: pass example_inputs to save_sparse to export it")
+        return None
+    expected = eval_output(model, inputs)
+    if library == "timm" and fmt == "dense" and os.path.isfile(os.path.join(folder, WEIGHTS_NAME)):
+        if _timm_route(model, folder, inputs, expected):
+            return "timm"
+    why = _export_route(model, folder, inputs, expected)
+    if why is None:
+        return "torch.export"
+    logger.warning("[hf-sms] this smaller model loads with hf-sms only: torch.export %s", why)
+    return None
+
+
+def _inputs(example):
+    """The batch the model's forward takes, labels left out (the program computes outputs, not a loss)."""
+    if isinstance(example, dict):
+        return {k: v for k, v in example.items() if k not in ("labels", "label") and torch.is_tensor(v)} or None
+    return example if torch.is_tensor(example) else None
+
+
+def _matches(expected: torch.Tensor, got) -> bool:
+    got = _main(got).float()
+    scale = float(expected.abs().max().clamp_min(1e-12))
+    return got.shape == expected.shape and float((got.to(expected.device) - expected).abs().max()) <= 1e-4 * scale
+
+
+def _main(out) -> torch.Tensor:
+    if torch.is_tensor(out):
+        return out
+    logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
+    if logits is not None:
+        return logits
+    return _main(next(iter(out.values())) if isinstance(out, dict) else out[0])
+
+
+def _call(module, inputs):
+    return module(**inputs) if isinstance(inputs, dict) else module(inputs)
+
+
+@torch.no_grad()
+def _timm_route(model: nn.Module, folder: str, inputs, expected: torch.Tensor) -> bool:
+    import timm
+    from safetensors.torch import load_file
+    from timm.models import adapt_model_from_string
+
+    widths = timm_widths(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rebuilt = adapt_model_from_string(timm.create_model(f"local-dir:{folder}", pretrained=False), widths)
+            rebuilt.load_state_dict(load_file(os.path.join(folder, WEIGHTS_NAME)))
+    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as e:  # a layer timm's form cannot state
+        logger.info("[hf-sms] timm's adapt_model_from_string cannot rebuild this model (%s)", str(e)[:160])
+        return False
+    device = next(model.parameters()).device
+    if not _matches(expected, _call(rebuilt.to(device).eval(), inputs)):
+        logger.info("[hf-sms] timm's adapt_model_from_string rebuilds other outputs than the smaller model")
+        return False
+    with open(os.path.join(folder, TIMM_WIDTHS), "x", encoding="utf-8") as f:
+        f.write(widths)
+    return True
+
+
+def _dynamic(inputs):
+    """Batch size free for every input; the sequence length too for token inputs (2-D integer tensors)."""
+    auto = torch.export.Dim.AUTO
+
+    def dims(t):
+        return {0: auto, 1: auto} if t.dim() == 2 and not t.is_floating_point() else {0: auto}
+
+    return {k: dims(v) for k, v in inputs.items()} if isinstance(inputs, dict) else (dims(inputs),)
+
+
+def _doubled(inputs):
+    if isinstance(inputs, dict):
+        return {k: torch.cat([v, v]) for k, v in inputs.items()}
+    return torch.cat([inputs, inputs])
+
+
+def _plain_outputs(model: nn.Module, inputs) -> nn.Module:
+    """``model`` with its outputs as plain dicts and tuples (a program holding a library's output class,
+    transformers' ``ModelOutput``, needs that library to load), taking the batch's inputs by their names (export
+    names its guards after them: ``**kwargs`` breaks them)."""
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        return {k: v for k, v in out.items()} if isinstance(out, dict) else out
+
+    names = list(inputs) if isinstance(inputs, dict) else ["x"]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    forward.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in ["self", *names]])
+    wrapper = type("PlainOutputs", (nn.Module,), {"forward": forward})()
+    wrapper.model = model
+    return wrapper
+
+
+@torch.no_grad()
+def _export_route(model: nn.Module, folder: str, inputs, expected: torch.Tensor) -> str | None:
+    """Export, check, save: ``None`` when ``model.pt2`` is written, else why not."""
+    was_training, config = model.training, getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    model.eval()
+    if use_cache:  # a cache object is no program output: the program computes logits (no generate)
+        config.use_cache = False
+    try:
+        args, kwargs = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
+        dynamic = _dynamic(inputs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(
+                _plain_outputs(model, inputs), args, kwargs, dynamic_shapes=dynamic, strict=False
+            )
+        exported = program.module()
+        if not _matches(expected, _call(exported, inputs)):
+            return "gives other outputs than the model"
+        if not _matches(eval_output(model, _doubled(inputs)), _call(exported, _doubled(inputs))):
+            return "does not take a larger batch"
+        torch.export.save(program, os.path.join(folder, PROGRAM))
+        return None
+    except Exception as e:  # noqa: BLE001 - export fails in many ways (data-dependent branches, unsupported ops)
+        return f"failed ({type(e).__name__}: {str(e)[:160]})"
+    finally:
+        model.train(was_training)
+        if use_cache:
+            config.use_cache = use_cache

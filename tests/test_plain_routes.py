@@ -1,0 +1,114 @@
+"""Smaller models their own library loads (issue 37 item 4): a model cut in place, where its library's config
+cannot state the widths, is saved with timm's ``pruned.txt`` or a ``torch.export`` program, and the card's lines
+load it in a process that never imports hf_sms, with the smaller model's outputs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from zoo import ZOO, _hf, _image, _timm, _tokens
+
+import hf_sms
+from hf_sms.checkpoint.families import plain_route_lines
+from hf_sms.pruning.masks import apply_masks
+from hf_sms.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
+
+CASES = {  # name: (model, batch, structure, the route it gets)
+    "efficientnet_b0": (ZOO["efficientnet_b0"].make, _image(32), "filters", "timm"),
+    "mobilenetv3": (ZOO["mobilenetv3"].make, _image(32), "filters", "timm"),
+    "convnext_atto": (ZOO["convnext_atto"].make, _image(32), "filters+neurons", "timm"),
+    "regnety": (_timm("regnety_002", num_classes=4), _image(32), "filters", "torch.export"),  # grouped convs
+    "bloom": (_hf("BloomForCausalLM", "BloomConfig", vocab_size=64, hidden_size=16, n_layer=2, n_head=2),
+              _tokens, "neurons", "torch.export"),
+    "bart_heads": (ZOO["bart"].make, lambda: {"input_ids": _tokens()["input_ids"]}, "heads", "torch.export"),
+    "smp_pspnet": (ZOO["smp_pspnet"].make, _image(32), "filters", "torch.export"),
+    "torchvision_resnet": (ZOO["torchvision_resnet"].make, _image(32), "filters", "torch.export"),
+}  # fmt: skip
+
+LOAD = """
+import json, sys
+import torch
+from safetensors.torch import load_file, save_file
+out = {}
+for name, (folder, code) in json.loads(sys.argv[1]).items():
+    scope = {}
+    exec(code, scope)
+    model, batch = scope["model"], load_file(folder + "/batch.safetensors")
+    if hasattr(model, "eval") and not isinstance(model, torch.fx.GraphModule):
+        model.eval()
+    with torch.no_grad():
+        y = model(**batch) if "input_ids" in batch else model(batch["x"])
+    y = y if torch.is_tensor(y) else (y["logits"] if isinstance(y, dict) else y.logits)
+    out[name] = y.float().contiguous()
+assert not any(m == "hf_sms" or m.startswith("hf_sms.") for m in sys.modules), "hf_sms was imported"
+save_file(out, sys.argv[2])
+"""
+
+
+def _smaller(name):
+    make, batch, structure, _ = CASES[name]
+    model, x = make().eval(), batch()
+    apply_masks(model, hf_sms.compute_masks(model, 0.5, structure=structure, example_inputs=x, fit_config=False))
+    return hf_sms.shrink(model, x, structure=structure, fit_config=False), x
+
+
+def test_smaller_models_load_without_hf_sms(tmp_path):
+    jobs, expected = {}, {}
+    for name, (*_, route) in CASES.items():
+        smaller, x = _smaller(name)
+        folder = tmp_path / name
+        # no record passed: found by its shapes against its config; a plain torch model has none, a run records it
+        recipe = {"shrunk": ShrinkRecord(SMALLER, cut=IN_PLACE).to_json()} if "torchvision" in name else None
+        hf_sms.save_sparse(smaller, str(folder), "dense", recipe=recipe, example_inputs=x)
+        shrunk = json.loads((folder / "sparsity.json").read_text())["recipe"]["shrunk"]
+        assert (shrunk["cut"], shrunk.get("plain")) == ("in place", route), name
+        card = (folder / "README.md").read_text()
+        assert "No hf-sms needed" in card and ("pruned.txt" if route == "timm" else "model.pt2") in card, name
+        save_file({"x": x} if torch.is_tensor(x) else x, str(folder / "batch.safetensors"))
+        jobs[name] = (str(folder), "\n".join(plain_route_lines(route, str(folder), hub=False)))
+        with torch.no_grad():
+            y = smaller(x) if torch.is_tensor(x) else smaller(**x).logits
+        expected[name] = y.float()
+        loaded = hf_sms.load_sparse(str(folder), model=ZOO["torchvision_resnet"].make() if "torchvision" in name
+                                    else None)  # fmt: skip
+        with torch.no_grad():  # hf-sms loads it too
+            again = loaded(x) if torch.is_tensor(x) else loaded(**x).logits
+        torch.testing.assert_close(again, y, rtol=1e-4, atol=1e-5)
+    out = tmp_path / "out.safetensors"
+    subprocess.run([sys.executable, "-c", LOAD, json.dumps(jobs), str(out)], check=True, timeout=300)
+    from safetensors.torch import load_file
+
+    got = load_file(str(out))
+    for name, y in expected.items():
+        torch.testing.assert_close(got[name], y, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_an_exported_program_takes_other_batch_sizes_and_lengths(tmp_path):
+    smaller, x = _smaller("bloom")
+    hf_sms.save_sparse(smaller, str(tmp_path), "dense", example_inputs=x)
+    program = torch.export.load(str(tmp_path / "model.pt2")).module()
+    for ids in (x["input_ids"][:1], torch.randint(2, 64, (3, 11))):
+        with torch.no_grad():
+            torch.testing.assert_close(program(input_ids=ids)["logits"], smaller(input_ids=ids).logits)
+
+
+def test_a_model_its_config_states_gets_no_plain_route(tmp_path):
+    """A dense model, and a smaller one its own config states, load with their library as they are: no extra file."""
+    model = ZOO["efficientnet_b0"].make()
+    hf_sms.save_sparse(model, str(tmp_path / "dense"), "dense")
+    assert sorted(p.name for p in (tmp_path / "dense").iterdir()) == [
+        "README.md", "config.json", "model.safetensors", "sparsity.json"]  # fmt: skip
+    info = json.loads((tmp_path / "dense" / "sparsity.json").read_text())
+    assert "shrunk" not in (info.get("recipe") or {})
+
+
+@pytest.mark.parametrize("fmt", ["bitmask"])
+def test_resaving_drops_a_stale_route(tmp_path, fmt):
+    smaller, x = _smaller("efficientnet_b0")
+    hf_sms.save_sparse(smaller, str(tmp_path), "dense", example_inputs=x)
+    assert (tmp_path / "pruned.txt").is_file()
+    hf_sms.save_sparse(ZOO["efficientnet_b0"].make(), str(tmp_path), fmt)  # the dense model over it
+    assert not (tmp_path / "pruned.txt").exists() and not (tmp_path / "model.pt2").exists()
