@@ -22,6 +22,7 @@ _TYPES = {  # what a field read from a file must be
     "parameter_ratio": (int, float),
     "why": str,
     "plain": str,
+    "program_inputs": list,
 }
 
 
@@ -41,6 +42,7 @@ class ShrinkRecord:
         why: why the pruned model was saved instead.
         plain: a smaller model cut in place: the route that loads it without hf-sms (``"timm"``: timm's
             ``adapt_model_from_string`` widths in ``pruned.txt``; ``"torch.export"``: ``model.pt2``), or ``None``.
+        program_inputs: the names ``model.pt2``'s forward takes its inputs by (``None``: one tensor, positional).
     """
 
     saved: str
@@ -54,6 +56,7 @@ class ShrinkRecord:
     parameter_ratio: float | None = None
     why: str | None = None
     plain: str | None = None
+    program_inputs: list | None = None
 
     @property
     def smaller(self) -> bool:

@@ -226,7 +226,7 @@ def test_grouped_convolutions_keep_their_channels_and_transposed_ones_prune_outp
 
 def test_a_uniform_soup_of_filter_pruned_replicas_keeps_every_removed_filter_zero(monkeypatch, caplog):
     base, x = make_resnet(), torch.randn(4, 3, 16, 16)
-    monkeypatch.setattr("hf_sms.plan.structures._TOLD", set())
+    monkeypatch.setattr("hf_sms.plan.unit_groups._TOLD", set())
     with caplog.at_level("WARNING", logger="hf_sms"):
         masks = compute_masks(base, 0.5, structure="filters", example_inputs=x)
         compute_masks(base, 0.5, structure="filters", example_inputs=x)

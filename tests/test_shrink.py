@@ -15,6 +15,7 @@ import hf_sms
 from hf_sms import apply_masks, compute_masks, shrink
 from hf_sms.pruning import trace_units
 from hf_sms.shrinking import parameter_count
+from hf_sms.shrinking.fit import tensor_shapes
 
 STATED = sorted(n for n, e in ZOO.items() if e.kinds and e.loader)  # families that load without hf-sms
 
@@ -53,19 +54,24 @@ print('LOADED', {name!r})
     assert sorted(line.split()[1] for line in out.splitlines() if line.startswith("LOADED")) == STATED
 
 
-def test_what_a_family_cannot_state_is_cut_in_place_with_fit_config_false():
-    """timm's efficientnet_b0 and convnext_atto take no argument that sizes their blocks: their filters are no units
-    of a fitted plan (refused, saying so); with fit_config=False every unit goes, in a smaller model hf-sms cuts."""
-    entry = ZOO["efficientnet_b0"]
+@pytest.mark.parametrize("name", ["efficientnet_b0", "convnext_atto"])
+def test_what_a_family_cannot_state_is_cut_in_place_by_default(name, caplog):
+    """timm's efficientnet_b0 and convnext_atto take no argument that sizes their blocks: with the defaults every
+    unit the graph finds is pruned (the log says why and how it will load) and shrink cuts them in place, as with
+    fit_config=False (tests/test_plain_routes.py: the plain route that loads it without hf-sms)."""
+    import logging
+
+    entry = ZOO[name]
     model, batch = entry.make(), entry.batch()
-    with pytest.raises(ValueError, match="config cannot state fewer of them.*fit_config=False"):
-        compute_masks(model, 0.5, structure="filters", example_inputs=batch)
-    apply_masks(model, compute_masks(model, 0.5, structure="filters", example_inputs=batch, fit_config=False))
-    with pytest.warns(UserWarning, match="kept .* filters removed units as zeros"):
-        same = shrink(model, batch)
-    assert parameter_count(same) == parameter_count(model)
-    smaller = shrink(model, batch, fit_config=False)
-    assert parameter_count(smaller) < 0.5 * parameter_count(model)
+    with caplog.at_level(logging.WARNING, logger="hf_sms"):
+        masks = compute_masks(model, 0.5, structure="filters", example_inputs=batch)
+    assert "states none of its filters widths" in caplog.text and "torch.export" in caplog.text
+    every = compute_masks(model, 0.5, structure="filters", example_inputs=batch, fit_config=False)
+    assert all(torch.equal(masks[k], every[k]) for k in every)  # the same units as fit_config=False
+    apply_masks(model, masks)
+    smaller = shrink(model, batch)
+    assert parameter_count(smaller) < 0.6 * parameter_count(model)
+    assert tensor_shapes(smaller) == tensor_shapes(shrink(model, batch, fit_config=False))
 
 
 def test_maxvit_filters_and_neurons_are_stated_by_its_expand_ratios():

@@ -165,13 +165,13 @@ def test_a_soup_shrink_cannot_cut_is_still_saved_pruned(tmp_path):
 
 @pytest.mark.parametrize("name", ["efficientnet_b0", "torchvision_resnet"])
 def test_a_smaller_model_its_config_cannot_state_is_saved_cut_in_place(tmp_path, name):
-    """timm's efficientnet_b0 (no argument sizes its blocks) with fit_config=False, and a plain torch model: the final
+    """timm's efficientnet_b0 (no argument sizes its blocks) and a plain torch model, with the defaults: the final
     soup is the smaller model all the same; hf_sms.load_sparse cuts the model its family (or a template) builds to
-    the stored widths, and the card says loading needs hf-sms."""
+    the stored widths, and its plain route (timm's pruned.txt, a torch.export program) is saved beside it."""
     entry = ZOO[name]
     data = _images(16)
     args = sms_config(tmp_path, structure="filters", target_sparsity=0.5, n_phases=1, max_steps=2,
-                      per_device_train_batch_size=8, fit_config=False)  # fmt: skip
+                      per_device_train_batch_size=8)  # fmt: skip
     soup, _ = hf_sms.run_sms(entry.make(), args, data[:8], ClassificationAccuracy(), eval_dataset=data[8:])
     folder = tmp_path / "run" / "final_soup"
     shrunk = json.loads((folder / "sparsity.json").read_text())["recipe"]["shrunk"]
@@ -180,5 +180,7 @@ def test_a_smaller_model_its_config_cannot_state_is_saved_cut_in_place(tmp_path,
     loaded = hf_sms.load_sparse(str(folder), model=template)
     x = torch.stack([r["x"] for r in data[:4]])
     torch.testing.assert_close(eval_output(loaded, x), eval_output(soup, x), rtol=1e-4, atol=1e-5)
-    card = (folder / "README.md").read_text()
-    assert "Loading needs hf-sms" in card and "hf_sms.load_sparse(" in card
+    card = (folder / "README.md").read_text()  # the plain route (tests/test_plain_routes.py loads it without hf-sms)
+    route = {"efficientnet_b0": ("timm", "pruned.txt"), "torchvision_resnet": ("torch.export", "model.pt2")}[name]
+    assert shrunk["plain"] == route[0] and (folder / route[1]).is_file()
+    assert "No hf-sms needed" in card and route[1] in card

@@ -298,13 +298,18 @@ def test_from_pretrained_of_a_soup_cut_in_place_names_load_sparse(tmp_path, t5_d
     run_sms(make_t5(), args, t5_dataset, neg_loss, eval_dataset=t5_dataset[:4])
     folder = tmp_path / "run" / "final_soup"
     shrunk = json.loads((folder / "sparsity.json").read_text())["recipe"]["shrunk"]
-    assert (shrunk["saved"], shrunk["cut"]) == ("smaller", "in place")
+    assert (shrunk["saved"], shrunk["cut"], shrunk["plain"]) == ("smaller", "in place", "torch.export")
+    assert shrunk["program_inputs"] == ["input_ids", "attention_mask", "decoder_input_ids"]
     with pytest.raises(ValueError, match=r"hf_sms\.load_sparse\("):
         T5ForConditionalGeneration.from_pretrained(str(folder))
     loaded = hf_sms.load_sparse(str(folder))  # what the message says works
     batch = {k: torch.stack([r[k] for r in t5_dataset[:2]]) for k in t5_dataset[0]}
     with torch.no_grad():
         assert torch.isfinite(loaded(**batch).loss)
+        program = torch.export.load(str(folder / "model.pt2")).module()  # the exported forward: the soup's logits
+        inputs = {k: batch[k] for k in shrunk["program_inputs"] if k != "decoder_input_ids"}  # as the card says
+        inputs["decoder_input_ids"] = loaded._shift_right(batch["labels"])
+        torch.testing.assert_close(program(**inputs)["logits"], loaded(**inputs).logits, rtol=1e-4, atol=1e-5)
 
 
 # -- unreadable folders and hf-sms inspect's exit codes (item 10) -------------------------------------------------

@@ -16,8 +16,8 @@ import yaml
 
 from ..runtime.speed import format_measured
 from ..shrink_record import ShrinkRecord
+from .card_loading import family_of_info, how_to_load, loading_line
 from .constants import CARD_NAME, SPARSITY_NAME
-from .families import FAMILIES, Family
 from .folder import read_sparsity, weight_files
 
 
@@ -29,11 +29,6 @@ def _read_info(directory: str) -> dict:
         if not isinstance(info.get(key) or {}, dict):
             raise ValueError(f"{directory}/{SPARSITY_NAME}: {key} is not a JSON object; re-save the checkpoint")
     return info
-
-
-def _family(info: dict) -> Family:
-    library = info.get("library")
-    return FAMILIES.get(library) if library in FAMILIES else FAMILIES.get("torch")
 
 
 # Readable metric names -> the Hub's metric ids (https://huggingface.co/metrics), which the front matter lists;
@@ -235,45 +230,6 @@ def _zero_units(shrunk: ShrinkRecord) -> str:
     return ", ".join(f"{n:,} removed {_text(kind)}" for kind, n in kept.items() if isinstance(n, int) and n > 0)
 
 
-def _loading_line(info: dict) -> str:
-    """The card's first words: whether loading needs hf-sms, and how to get a copy that does not."""
-    family, shrunk = _family(info), ShrinkRecord.of(info)
-    smaller = shrunk is not None and shrunk.smaller
-    if shrunk is not None and shrunk.cut_in_place and shrunk.plain == "timm":
-        return (
-            "**No hf-sms needed**: a smaller model with whole units cut out where timm's config cannot state the "
-            "widths; `pruned.txt` states them in the form of timm's own `adapt_model_from_string` (how timm loads its "
-            "pruned EfficientNets): the three timm lines below load it. `hf_sms.load_sparse(DIR)` loads it too."
-        )
-    if shrunk is not None and shrunk.cut_in_place and shrunk.plain == "torch.export":
-        return (
-            "**No hf-sms needed to run it**: a smaller model with whole units cut out where its library's config "
-            "cannot state the widths. `model.pt2` is a `torch.export` program of its forward (any batch size, and "
-            "sequence length for token inputs) that runs with torch alone: the forward only, no `generate`, no "
-            "training, no changing the model. To fine-tune or generate, `pip install hf-sms`, then "
-            "`hf_sms.load_sparse(DIR)` (plain torch: `model=MyModel(...)`) cuts the model to the stored widths."
-        )
-    if family.library == "torch":
-        return (
-            "**Loading needs hf-sms and the model's code**: `pip install hf-sms`, then "
-            "`hf_sms.load_sparse(DIR, model=MyModel(...))` with a model of the same architecture."
-        )
-    if shrunk is not None and shrunk.cut_in_place:
-        return (
-            "**Loading needs hf-sms**: a smaller model with whole units cut out where its library's config cannot "
-            "state the widths. `pip install hf-sms`, then `hf_sms.load_sparse(DIR)`, which builds the model and cuts "
-            "it to the stored widths."
-        )
-    if info.get("format") == "dense":
-        what = "a smaller model with whole units cut out (`hf_sms.shrink`)" if smaller else "pruned weights as zeros"
-        return f"**No hf-sms needed**: a plain `{_text(family.library)}` checkpoint, {what}; load it as any other."
-    return (
-        "**Loading needs hf-sms**: the weights are stored in hf-sms's compact sparse format. `pip install hf-sms`, "
-        "then `import hf_sms` before `from_pretrained` (or `hf_sms.load_sparse(DIR)`). A plain dense copy that "
-        "loads without hf-sms: `hf-sms convert DIR --output DENSE_DIR --format dense`."
-    )
-
-
 def write_card(folder: str, name: str, existing: str | None = None) -> None:
     """Write the card of the checkpoint in ``folder`` (a fresh folder hf-sms fills) as its ``README.md``, titled
     ``name``; not if ``existing`` (the target's current ``README.md``) is a card the user wrote."""
@@ -284,14 +240,6 @@ def write_card(folder: str, name: str, existing: str | None = None) -> None:
         os.remove(path)
     with open(path, "x", encoding="utf-8") as f:  # x: never through a planted link
         f.write(model_card(folder, name))
-
-
-def _how_to_load(info: dict, repo: str) -> str:
-    shrunk = ShrinkRecord.of(info)
-    in_place = shrunk is not None and shrunk.cut_in_place  # hf-sms rebuilds a cut in place, or its plain route
-    plain = shrunk.plain if in_place else None
-    snippet = _family(info).load_snippet(info.get("architecture"), info.get("format"), repo, True, not in_place, plain)
-    return "```python\n" + snippet + "\n```"
 
 
 def model_card(
@@ -334,7 +282,7 @@ def model_card(
     recipe = info.get("recipe") or {}
     repo = repo_id or os.path.basename(os.path.abspath(directory))
     meta = {
-        "library_name": _family(info).hub_library_name,
+        "library_name": family_of_info(info).hub_library_name,
         "tags": list(dict.fromkeys(["hf-sms", "sparse", "pruning", "model-soup", *(tags or [])])),
     }
     extra = {"license": license, "base_model": base_model, "datasets": list(datasets or [])}
@@ -359,7 +307,7 @@ def model_card(
         "",
         f"# {_text(repo)}",
         "",
-        _loading_line(info),
+        loading_line(info),
         "",
         "A sparse model soup made with hf-sms, an implementation of Sparse Model Soups (Zimmer, Spiegel, "
         "Pokutta; ICLR 2024, [arXiv:2306.16788](https://arxiv.org/abs/2306.16788)): prune a model, retrain "
@@ -387,7 +335,7 @@ def model_card(
         body += ["", *settings] if settings else []
         if recipe.get("phases"):
             body += ["", "Sparsity after each pruning phase:", "", _table(_phases(recipe["phases"]))]
-    body += ["", "## How to load", "", _how_to_load(info, repo)]
+    body += ["", "## How to load", "", how_to_load(info, repo)]
     per_tensor = info.get("per_tensor") or {}
     if per_tensor:
         rows = [

@@ -42,29 +42,39 @@ def timm_widths(model: nn.Module) -> str:
     )
 
 
-def write_plain_route(model: nn.Module, folder: str, library: str, fmt: str, example) -> str | None:
-    """Write the first plain route that reproduces ``model`` (saved in ``folder`` by its family, config final) and
-    return its name, or ``None`` (the log says why)."""
-    inputs = _inputs(example)
+def write_plain_route(model: nn.Module, folder: str, library: str, fmt: str, example) -> dict:
+    """Write the first plain route that reproduces ``model`` (saved in ``folder`` by its family, config final);
+    returns what the record says of it (``ShrinkRecord.plain``, and ``program_inputs``: the names an exported
+    program takes), or ``{}`` (the log says why)."""
+    inputs = _inputs(model, example)
     if inputs is None:
         logger.info("[hf-sms] no plain route for this smaller model: pass example_inputs to save_sparse to export it")
-        return None
-    expected = eval_output(model, inputs)
+        return {}
+    try:
+        expected = eval_output(model, inputs)
+    except (ValueError, RuntimeError, TypeError) as e:
+        logger.warning("[hf-sms] this smaller model loads with hf-sms only: it does not run on the example (%s)", e)
+        return {}
     if library == "timm" and fmt == "dense" and os.path.isfile(os.path.join(folder, WEIGHTS_NAME)):
         if _timm_route(model, folder, inputs, expected):
-            return "timm"
+            return {"plain": "timm"}
     why = _export_route(model, folder, inputs, expected)
     if why is None:
-        return "torch.export"
+        return {"plain": "torch.export", "program_inputs": list(inputs) if isinstance(inputs, dict) else None}
     logger.warning("[hf-sms] this smaller model loads with hf-sms only: torch.export %s", why)
-    return None
+    return {}
 
 
-def _inputs(example):
-    """The batch the model's forward takes, labels left out (the program computes outputs, not a loss)."""
-    if isinstance(example, dict):
-        return {k: v for k, v in example.items() if k not in ("labels", "label") and torch.is_tensor(v)} or None
-    return example if torch.is_tensor(example) else None
+def _inputs(model: nn.Module, example):
+    """The batch the model's forward takes, labels left out (the program computes outputs, not a loss); a
+    sequence-to-sequence model gets the decoder inputs its labels imply."""
+    if not isinstance(example, dict):
+        return example if torch.is_tensor(example) else None
+    inputs = {k: v for k, v in example.items() if k not in ("labels", "label") and torch.is_tensor(v)}
+    shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if "labels" in example and "decoder_input_ids" not in inputs and shift is not None:
+        inputs["decoder_input_ids"] = shift(labels=example["labels"])
+    return inputs or None
 
 
 def _matches(expected: torch.Tensor, got) -> bool:
@@ -131,8 +141,11 @@ def _plain_outputs(model: nn.Module, inputs) -> nn.Module:
     transformers' ``ModelOutput``, needs that library to load), taking the batch's inputs by their names (export
     names its guards after them: ``**kwargs`` breaks them)."""
 
+    # a cache object is no program output: the program computes logits (no generate)
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+
     def forward(self, *args, **kwargs):
-        out = self.model(*args, **kwargs)
+        out = self.model(*args, **kwargs, **extra)
         return {k: v for k, v in out.items()} if isinstance(out, dict) else out
 
     names = list(inputs) if isinstance(inputs, dict) else ["x"]
@@ -146,11 +159,8 @@ def _plain_outputs(model: nn.Module, inputs) -> nn.Module:
 @torch.no_grad()
 def _export_route(model: nn.Module, folder: str, inputs, expected: torch.Tensor) -> str | None:
     """Export, check, save: ``None`` when ``model.pt2`` is written, else why not."""
-    was_training, config = model.training, getattr(model, "config", None)
-    use_cache = getattr(config, "use_cache", None)
+    was_training = model.training
     model.eval()
-    if use_cache:  # a cache object is no program output: the program computes logits (no generate)
-        config.use_cache = False
     try:
         args, kwargs = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
         dynamic = _dynamic(inputs)
@@ -170,5 +180,3 @@ def _export_route(model: nn.Module, folder: str, inputs, expected: torch.Tensor)
         return f"failed ({type(e).__name__}: {str(e)[:160]})"
     finally:
         model.train(was_training)
-        if use_cache:
-            config.use_cache = use_cache

@@ -110,7 +110,7 @@ def save_sparse(
         if shrunk is not None and shrunk.cut_in_place:  # a route to load it without hf-sms, where one works
             example = example_inputs if example_inputs is not None else config_family(model).example(model)
             route = write_plain_route(model, tmp, family.library, format, example)
-            recipe = {**(recipe or {}), "shrunk": dataclasses.replace(shrunk, plain=route).to_json()}
+            recipe = {**(recipe or {}), "shrunk": dataclasses.replace(shrunk, **route).to_json()}
         write_sparsity(
             tmp,
             format=format,

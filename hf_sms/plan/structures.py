@@ -13,24 +13,20 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from ..pruning.allocations import get_allocation, n_of_m, parse_n_of_m
 from ..pruning.graph import trace_units
-from ..pruning.graph.trace import architecture_key
 from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
 from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
 from ..registry import ALLOCATIONS, CRITERIA, STRUCTURES
 from ..runtime.speed import measure_speedup_of, time_smaller
 from ..shrink_record import PRUNED, ShrinkRecord
-from ..shrinking.cut import cut_in_place, kept_index
 from ..shrinking.families import config_family
-from ..shrinking.fit import fit
-from ..shrinking.shrink import KINDS, eval_output, example_batch, shrink, shrink_record
+from ..shrinking.shrink import KINDS, example_batch, shrink, shrink_record
+from .unit_groups import same_in_train_mode, stated_groups, tell_once
 
 logger = logging.getLogger("hf_sms")
 
@@ -131,12 +127,12 @@ class Units(Structure):
         state (a model smaller in its own format), else every one the graph has."""
         if not self._layers(model):
             return []
-        groups = _same_in_train_mode(model, example_batch(model, batch), self.kinds)
+        groups = same_in_train_mode(model, example_batch(model, batch), self.kinds)
         if not fit_config or not groups:
             return groups
-        stated = _stated(model, example_batch(model, batch), groups, self.kinds)
+        stated = stated_groups(model, example_batch(model, batch), groups, self.kinds)
         left = [g.name for g, ok in zip(groups, stated) if not ok]
-        _tell_once(
+        tell_once(
             model,
             left,
             "fit_config=True leaves %d of %d %s groups dense, since %s's config cannot state their "
@@ -270,84 +266,6 @@ class Units(Structure):
     def timed(self, plan, model, batch):
         smaller = shrink(model, batch, structure=self, fit_config=plan.fit_config, multiple_of=plan.unit_multiple)
         return time_smaller(copy.deepcopy(model), smaller, batch)
-
-
-_STATED: dict = {}
-
-
-def _group_key(g: UnitGroup) -> tuple:
-    members = sorted((m.name, m.dim, m.role, tuple(m.positions.flatten().tolist())) for m in g.members)
-    return g.kind, g.n_units, tuple(members)
-
-
-def _same_in_train_mode(model: nn.Module, batch, kinds) -> list[UnitGroup]:
-    """The unit groups of the eval-mode trace that a train-mode trace finds alike: a unit whose channels also reach
-    code only training runs (an auxiliary head, a train-only branch) is refused (left dense), naming its layer,
-    before any training. A model that cannot run the batch in train mode (BatchNorm on one example) keeps eval's."""
-    groups = trace_units(model, batch).groups(kinds)
-    try:
-        train = {_group_key(g) for g in trace_units(model, batch, train=True).groups(kinds)}
-    except ValueError:
-        return groups
-    left = [g.name for g in groups if _group_key(g) not in train]
-    _tell_once(
-        model,
-        left,
-        "%s: %d unit group(s) are read by code only training runs, which an eval-mode forward does not "
-        "show, so they stay dense: %s",
-        type(model).__name__,
-        len(left),
-    )
-    return [g for g in groups if _group_key(g) in train]
-
-
-_TOLD: set = set()  # the groups left dense, said once per architecture and process
-
-
-def _tell_once(model: nn.Module, left: list[str], message: str, *args) -> None:
-    """Log ``message`` (its last ``%s``: the first names in ``left``) once per architecture and list of groups."""
-    key = (architecture_key(model), message, tuple(left))
-    if left and key not in _TOLD:
-        _TOLD.add(key)
-        logger.warning("[hf-sms] " + message, *args, ", ".join(left[:6]))
-
-
-def _stated(model: nn.Module, batch, groups: list[UnitGroup], kinds) -> list[bool]:
-    """Per group, whether the smaller model can drop its units: its family's config states them (:func:`fit` on
-    half of every group), or, for a model no config rebuilds, cutting half of every group of its kind in place
-    keeps the outputs (a plain ``nn.MultiheadAttention`` cannot lose heads: its head size is ``embed_dim /
-    num_heads``). Remembered per :func:`~hf_sms.pruning.graph.trace.architecture_key`."""
-    key = (architecture_key(model), tuple(kinds))
-    if key not in _STATED:
-        if len(_STATED) > 16:
-            _STATED.pop(next(iter(_STATED)))
-        probe = [torch.arange(g.n_units) < max(1, g.n_units // 2) for g in groups]  # half of each group
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            found = fit(model, groups, probe)
-        _STATED[key] = found.stated if found is not None else _cuttable(model, batch, groups, probe)
-    return _STATED[key]
-
-
-@torch.no_grad()
-def _cuttable(model: nn.Module, batch, groups: list[UnitGroup], probe: list[torch.Tensor]) -> list[bool]:
-    """Per group: whether cutting half of every group of its kind in place keeps ``model``'s outputs."""
-    ok = {}
-    for kind in dict.fromkeys(g.kind for g in groups):
-        chosen = [i for i, g in enumerate(groups) if g.kind == kind]
-        pruned = copy.deepcopy(model).eval()
-        params = dict(pruned.named_parameters())
-        for i in chosen:
-            for m in groups[i].masked:
-                params[m.name].mul_(m.expand(probe[i], params[m.name].shape).to(params[m.name].device))
-        index = kept_index(pruned, [groups[i] for i in chosen], [probe[i] for i in chosen])
-        try:
-            smaller = cut_in_place(copy.deepcopy(pruned), index)
-            expected, got = eval_output(pruned, batch), eval_output(smaller, batch)
-            ok[kind] = expected.shape == got.shape and torch.allclose(expected, got, rtol=1e-3, atol=1e-5)
-        except (RuntimeError, ValueError, IndexError):  # a module reads a size its attributes still say
-            ok[kind] = False
-    return [ok[g.kind] for g in groups]
 
 
 def _parse(name):

@@ -195,6 +195,8 @@ def shrink(
             "Unstructured zeros make no layer smaller"
         )
     fitted = fit(model, groups, keep, multiple_of) if fit_config else None
+    if fitted is not None and not any(fitted.stated):  # its config states none of these widths: cut in place
+        fitted = None
     if fitted is None:
         keep = [pad(k, min(math.ceil(int(k.sum()) / multiple_of) * multiple_of, len(k))) for k in keep]
         smaller = cut_in_place(copy.deepcopy(model), kept_index(model, groups, keep))
