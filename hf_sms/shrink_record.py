@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 SMALLER, PRUNED = "smaller", "pruned"  # what was saved: the plain smaller model, or the pruned one (and why)
-BY_CONFIG, IN_PLACE = "config", "in place"  # how: its family's config states the widths, or only hf-sms rebuilds them
+BY_CONFIG, IN_PLACE = "config", "in place"  # how: its family's config states the widths, or a cut
 
 
 _TYPES = {  # what a field read from a file must be

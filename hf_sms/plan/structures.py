@@ -137,7 +137,7 @@ class Units(Structure):
             left,
             "fit_config=True leaves %d of %d %s groups dense, since %s's config cannot state their "
             "widths: %s. Reported unit fractions count every unit; fit_config=False prunes them too (a smaller model "
-            "only hf-sms rebuilds).",
+            "cut in place, saved with a plain route).",
             len(left),
             len(groups),
             "/".join(self.kinds),
@@ -175,7 +175,7 @@ class Units(Structure):
                 0,
                 f"{len(found)} groups of {self.name}, but {type(model).__name__}'s {family.library} "
                 "config cannot state fewer of them (e.g. a head size derived from hidden size / heads); "
-                "fit_config=False prunes them for a smaller model only hf-sms rebuilds",
+                "fit_config=False prunes them for a smaller model cut in place",
             )
         elif other:
             lines.insert(0, f"it has units of {', '.join(other)}")
@@ -225,7 +225,7 @@ class Units(Structure):
                     f"would prune {'+'.join(k for k in self.kinds if k != kind)} only. Use structure="
                     f"{'+'.join(k for k in self.kinds if k != kind)!r}, allow it with structure="
                     f"{'+'.join(k + '?' * (k == kind) for k in self.kinds)!r}, or fit_config=False (a smaller model "
-                    "only hf-sms rebuilds)"
+                    "cut in place)"
                 )
             if 0 < kept < there:
                 why = "the config states only those"

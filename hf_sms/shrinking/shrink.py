@@ -171,7 +171,7 @@ def shrink(
         structure: whose units to cut: ``"filters"``, ``"neurons"``, ``"heads"`` or several joined by ``"+"``;
             default all.
         fit_config: write the widths into the family's config (above). ``False``: cut every removed unit in place
-            (smaller still where the config cannot state a width; only hf-sms or your code then rebuilds it).
+            (smaller still where the config cannot state a width: saved with a plain route, hf_sms.checkpoint.plain).
         multiple_of: each layer keeps a multiple of this many units (some removed ones stay as zeros), widths
             tensor-core kernels run at full rate (e.g. 8 for bf16).
 
@@ -233,8 +233,8 @@ def _warn_kept(groups, keep, kept) -> None:
         said = ", ".join(f"{n} {kind}" for kind, n in zeros.items())
         warnings.warn(
             f"shrink kept {said} removed units as zeros: its family's config cannot state those widths (or one count "
-            "sizes several layers). shrink(..., fit_config=False) cuts them, for a model only hf-sms or your code "
-            "rebuilds",
+            "sizes several layers). shrink(..., fit_config=False) cuts them, for a model cut in place "
+            "(saved with a plain route: hf_sms.checkpoint.plain)",
             stacklevel=3,
         )
 
