@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -20,16 +21,14 @@ from .structures import Final, Structure, get_structure
 @dataclass(frozen=True)
 class PruningPlan:
     """What every pruning step of a run does: the ``criterion`` scores every weight (``CRITERIA``), the
-    ``structure`` says which weights fall together (``STRUCTURES``), the ``allocation`` spreads the sparsity over
-    them (``ALLOCATIONS``). ``seed``: the stream of a criterion that needs one. For units: ``unit_multiple`` (each
-    layer keeps a multiple of it) and ``fit_config`` (prune only units the family's config can state)."""
+    ``structure`` says which weights fall together (``STRUCTURES``, configured with the run's choices: for units
+    ``unit_multiple`` and ``fit_config``), the ``allocation`` spreads the sparsity over them (``ALLOCATIONS``).
+    ``seed``: the stream of a criterion that needs one."""
 
     allocation: str = "global"
     structure: Structure = None
     criterion: str = "magnitude"
     seed: int = 0
-    unit_multiple: int = 1
-    fit_config: bool = True
 
     @property
     def units(self) -> str:
@@ -45,7 +44,7 @@ class PruningPlan:
         """The plan as names (run folders, sparsity.json, the card)."""
         out = {"allocation": self.allocation, "structure": self.structure.name, "criterion": self.criterion}
         if self.units == "units":
-            out.update(unit_multiple=self.unit_multiple, fit_config=self.fit_config)
+            out.update(unit_multiple=self.structure.unit_multiple, fit_config=self.structure.fit_config)
         return out
 
     @torch.no_grad()
@@ -68,7 +67,7 @@ class PruningPlan:
         }
         context = CriterionContext(model, example_inputs, self.seed)
         scores = criterion_scores(self.criterion, tensors, weights, context)
-        return self.structure.masks(self, model, tensors, scores, current, float(sparsity), example_inputs)
+        return self.structure.masks(model, tensors, scores, current, float(sparsity), example_inputs)
 
     def prune(
         self,
@@ -87,32 +86,36 @@ class PruningPlan:
 
     def validate(self, target: float) -> None:
         """Refuse a run's target this plan cannot reach (an n:m pattern has one sparsity), before any model."""
-        self.structure.validate(self, target)
+        self.structure.validate(target)
 
     def preview(self, model: nn.Module, target: float, example_inputs) -> Final | None:
         """What the final soup would be saved as if ``model`` were pruned to ``target`` once now (its units are
         chosen by training, their numbers are not); ``None`` where the final soup keeps the model's shapes."""
-        return self.structure.preview(self, model, target, example_inputs)
+        if not self.cuts_units:
+            return None
+        pruned = copy.deepcopy(model)
+        self.prune(pruned, target, example_inputs=example_inputs)
+        return self.structure.final(pruned, model, example_inputs)
 
     def check(self, model: nn.Module, target: float, example_inputs=None) -> None:
         """Refuse, before any work, a model this plan prunes nothing of (or would empty a layer of)."""
-        self.structure.check(self, model, target, example_inputs)
+        self.structure.check(model, target, example_inputs)
 
     def rounding(self, model: nn.Module, masks: Masks, example_inputs=None) -> int:
         """How many weights a step may prune beyond its target by rounding (per tensor, or per group of units)."""
-        return self.structure.rounding(self, model, masks, example_inputs)
+        return self.structure.rounding(model, masks, example_inputs)
 
     def achieved(self, model: nn.Module, example_inputs=None) -> dict:
         """``{kind: fraction removed}`` of the units this plan prunes (``{}`` for weight structures)."""
-        return self.structure.achieved(self, model, example_inputs)
+        return self.structure.achieved(model, example_inputs)
 
     def final(self, soup: nn.Module, dense: nn.Module, example_inputs) -> Final:
         """What the run's final soup is saved as (the smaller model for units)."""
-        return self.structure.final(self, soup, dense, example_inputs)
+        return self.structure.final(soup, dense, example_inputs)
 
     def timed(self, model: nn.Module, example_inputs) -> dict:
         """``model`` timed dense against its sparse runtime or its smaller model, on the device it is on."""
-        return self.structure.timed(self, model, example_inputs)
+        return self.structure.timed(model, example_inputs)
 
 
 def resolve_pruning(
@@ -144,11 +147,10 @@ def resolve_pruning(
         allocation, structure = legacy.get("allocation", "uniform"), legacy["structure"]
         criterion = criterion or legacy.get("criterion")
     found = get_structure(structure if structure is not None else "unstructured")
-    units = found.units == "units"
-    criterion = criterion or ("l2" if units else "magnitude")
+    criterion = criterion or found.default_criterion
     CRITERIA.get(criterion)
     per_layer = CRITERIA.meta(criterion).get("per_layer", False)  # its scores are comparable within a layer only
-    allocation = allocation or ("uniform" if units or per_layer else "global")
+    allocation = allocation or ("uniform" if per_layer else found.default_allocation)
     get_allocation(allocation)
     if per_layer and allocation == "global":
         raise ValueError(
@@ -156,14 +158,9 @@ def resolve_pruning(
             "layers (an embedding, o_proj, down_proj: 100% pruned); compare within each layer as its paper does: "
             "allocation='uniform' (the default for it), or 'erk' / 'uniform_plus'"
         )
-    if units and allocation != "uniform":
-        raise ValueError(
-            f"structure={found.name!r} removes the same fraction of units from every layer, so the smaller model "
-            f"still fits its family's config (one d_ff, one num_heads): use allocation='uniform', not {allocation!r}"
-        )
     if isinstance(unit_multiple, bool) or not isinstance(unit_multiple, int) or unit_multiple < 1:
         raise ValueError(f"unit_multiple={unit_multiple!r} must be a positive integer (e.g. 8)")
-    return PruningPlan(allocation, found, criterion, seed, unit_multiple, bool(fit_config))
+    return PruningPlan(allocation, found.configured(allocation, criterion, unit_multiple, fit_config), criterion, seed)
 
 
 @torch.no_grad()

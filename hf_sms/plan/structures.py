@@ -42,36 +42,46 @@ class Final:
 
 
 class Structure:
-    """How weights fall together. ``units``: what ``target_sparsity`` counts, ``"weights"`` or ``"units"``."""
+    """How weights fall together, configured for one run (:meth:`configured`, from
+    :func:`~hf_sms.plan.resolve_pruning`'s names). ``units``: what ``target_sparsity`` counts, ``"weights"`` or
+    ``"units"``; ``default_criterion`` and ``default_allocation``: what a plan takes where none is named."""
 
     name = "unstructured"
     units = "weights"
+    default_criterion, default_allocation = "magnitude", "global"
+    spread = "global"  # the allocation that spreads the sparsity over the weights
 
-    def masks(self, plan, model, tensors: list[PrunableTensor], scores, current: Masks, sparsity, batch) -> Masks:
-        return get_allocation(plan.allocation)(tensors, scores, current, sparsity)
+    def configured(self, allocation: str, criterion: str, unit_multiple: int = 1, fit_config: bool = True):
+        """This structure with a run's choices (a copy: registered structures stay as registered)."""
+        self.check_allocation(allocation)
+        new = copy.copy(self)
+        new.spread = allocation
+        return new
 
-    def validate(self, plan, target: float) -> None:
+    def check_allocation(self, allocation: str) -> None:
+        """Refuse an allocation this structure cannot use (any, here)."""
+
+    def masks(self, model, tensors: list[PrunableTensor], scores, current: Masks, sparsity, batch) -> Masks:
+        return get_allocation(self.spread)(tensors, scores, current, sparsity)
+
+    def validate(self, target: float) -> None:
         """Refuse a run configuration this structure cannot do (before any model is seen)."""
 
-    def check(self, plan, model: nn.Module, target: float, batch) -> None:
+    def check(self, model: nn.Module, target: float, batch) -> None:
         """Refuse, before any work, a model this structure prunes nothing of."""
 
-    def achieved(self, plan, model: nn.Module, batch) -> dict:
+    def achieved(self, model: nn.Module, batch) -> dict:
         """``{kind: fraction of those units removed}`` (``{}`` where units are not what is pruned)."""
         return {}
 
-    def rounding(self, plan, model: nn.Module, masks: Masks, batch) -> int:
+    def rounding(self, model: nn.Module, masks: Masks, batch) -> int:
         """How many weights a pruning step may remove beyond its target by rounding: one per tensor."""
         return len(masks)
 
-    def final(self, plan, soup: nn.Module, dense: nn.Module, batch) -> Final:
+    def final(self, soup: nn.Module, dense: nn.Module, batch) -> Final:
         return Final(soup, "bitmask")
 
-    def preview(self, plan, model: nn.Module, target: float, batch) -> Final | None:
-        """The final soup of ``model`` pruned once to ``target`` (``None``: it keeps the model's shapes)."""
-        return None
-
-    def timed(self, plan, model: nn.Module, batch) -> dict:
+    def timed(self, model: nn.Module, batch) -> dict:
         """``model`` timed dense against what makes it faster here (the sparse runtime, or the smaller model)."""
         return measure_speedup_of(model, batch)
 
@@ -91,17 +101,20 @@ class NOfM(Structure):
     def name(self) -> str:
         return f"{self.n}:{self.m}"
 
-    def masks(self, plan, model, tensors, scores, current, sparsity, batch):
+    def configured(self, allocation, criterion, unit_multiple=1, fit_config=True):
+        return self  # the pattern is the allocation
+
+    def masks(self, model, tensors, scores, current, sparsity, batch):
         return n_of_m(tensors, scores, current, sparsity, n=self.n, m=self.m)
 
-    def validate(self, plan, target):
+    def validate(self, target):
         if abs(target - (1 - self.n / self.m)) > 1e-9:
             raise ValueError(
                 f"structure={self.name!r} prunes linear weights to exactly {1 - self.n / self.m:g}: set "
                 f"target_sparsity={1 - self.n / self.m:g}"
             )
 
-    def check(self, plan, model, target, batch):
+    def check(self, model, target, batch):
         if not any(
             t.kind == "linear" and t.param.dim() == 2 and t.param.shape[0 if t.transposed else 1] % self.m == 0
             for t in prunable_tensors(model)
@@ -117,14 +130,33 @@ class Units(Structure):
     loses the same fraction (uniform allocation), so the smaller model keeps one width per config field."""
 
     units = "units"
+    default_criterion, default_allocation = "l2", "uniform"  # Li et al. 2017, the paper's filter norm
+    unit_multiple, fit_config, own_kernels = 1, True, True
 
     def __init__(self, kinds: tuple[str, ...], optional: tuple[str, ...] = ()):
         self.kinds, self.optional = tuple(kinds), tuple(optional)
         self.name = "+".join(k + "?" * (k in self.optional) for k in self.kinds)
 
-    def groups(self, model: nn.Module, batch, fit_config: bool = True) -> list[UnitGroup]:
-        """The unit groups of ``model`` this structure prunes: with ``fit_config``, those its family's config can
-        state (a model smaller in its own format), else every one the graph has."""
+    def configured(self, allocation, criterion, unit_multiple=1, fit_config=True):
+        """With ``unit_multiple`` (each group keeps a multiple of it), ``fit_config`` (prune the units the family's
+        config can state) and the criterion's unit score (a filter by its own kernels, or with its readers')."""
+        new = super().configured(allocation, criterion)
+        new.unit_multiple, new.fit_config = unit_multiple, bool(fit_config)
+        new.own_kernels = CRITERIA.meta(criterion).get("unit_score", "own") == "own"
+        return new
+
+    def check_allocation(self, allocation):
+        if allocation != "uniform":
+            raise ValueError(
+                f"structure={self.name!r} removes the same fraction of units from every layer, so the smaller model "
+                f"still fits its family's config (one d_ff, one num_heads): use allocation='uniform', not "
+                f"{allocation!r}"
+            )
+
+    def groups(self, model: nn.Module, batch, fit_config: bool | None = None) -> list[UnitGroup]:
+        """The unit groups of ``model`` this structure prunes: with ``fit_config`` (default: the structure's), those
+        its family's config can state (a model smaller in its own format), else every one the graph has."""
+        fit_config = self.fit_config if fit_config is None else fit_config
         if not self._layers(model):
             return []
         groups = same_in_train_mode(model, example_batch(model, batch), self.kinds)
@@ -145,19 +177,18 @@ class Units(Structure):
         )
         return [g for g, ok in zip(groups, stated) if ok]
 
-    def masks(self, plan, model, tensors, scores, current, sparsity, batch):
-        groups = self.groups(model, batch, plan.fit_config)
+    def masks(self, model, tensors, scores, current, sparsity, batch):
+        groups = self.groups(model, batch)
         if not groups:
-            raise ValueError(self.nothing(model, batch, plan.fit_config))
-        own = CRITERIA.meta(plan.criterion).get("unit_score", "own") == "own"
-        return unit_masks(groups, scores, current, sparsity, plan.unit_multiple, own_kernels=own)
+            raise ValueError(self.nothing(model, batch))
+        return unit_masks(groups, scores, current, sparsity, self.unit_multiple, own_kernels=self.own_kernels)
 
     def _layers(self, model: nn.Module) -> list[str]:
         """The layers that could make units of these kinds: convs for filters, linear (and 1x1) layers else."""
         kinds = {"conv"} if self.kinds == ("filters",) else {"linear", "conv"}
         return [t.name for t in prunable_tensors(model) if t.kind in kinds]
 
-    def nothing(self, model: nn.Module, batch, fit_config: bool) -> str:
+    def nothing(self, model: nn.Module, batch) -> str:
         """Why this structure finds nothing to prune in ``model``: every layer looked at, and why each was skipped."""
         if not self._layers(model):
             layers = "convolution" if self.kinds == ("filters",) else "linear or convolution"
@@ -169,7 +200,7 @@ class Units(Structure):
         found = trace.groups(self.kinds)
         other = sorted({k for f in trace.found for k in f.kinds} - set(self.kinds))
         lines = [f"{layer}: {why}" for layer, why in list(trace.skipped.items())[:8]]
-        if found and fit_config:
+        if found and self.fit_config:
             family = config_family(model)
             lines.insert(
                 0,
@@ -185,31 +216,31 @@ class Units(Structure):
             f"Layers looked at{more}:\n  " + "\n  ".join(lines or ["no linear or convolution layer"])
         )
 
-    def check(self, plan, model, target, batch):
-        groups = self.groups(model, batch, plan.fit_config)
+    def check(self, model, target, batch):
+        groups = self.groups(model, batch)
         if not groups:
-            raise ValueError(self.nothing(model, batch, plan.fit_config))
-        self._check_kinds(model, batch, plan, groups)
+            raise ValueError(self.nothing(model, batch))
+        self._check_kinds(model, batch, groups)
         for g in groups:
             if keep_count(g.n_units, target, g.n_units) < 1:
                 raise ValueError(
                     f"target_sparsity={target:g} removes all {g.n_units} {g.kind} of {g.name}; a layer keeps at "
                     f"least one: use a target below {1 - 0.5 / g.n_units:.4g}"
                 )
-        whole = [g for g in groups if keep_count(g.n_units, target, g.n_units, plan.unit_multiple) >= g.n_units]
-        if whole and plan.unit_multiple > 1:  # rounding up to the multiple keeps every unit of these groups
+        whole = [g for g in groups if keep_count(g.n_units, target, g.n_units, self.unit_multiple) >= g.n_units]
+        if whole and self.unit_multiple > 1:  # rounding up to the multiple keeps every unit of these groups
             names = ", ".join(f"{g.name} ({g.n_units} {g.kind})" for g in whole[:4]) + (
                 " ..." if len(whole) > 4 else ""
             )
             if len(whole) == len(groups):
                 raise ValueError(
-                    f"unit_multiple={plan.unit_multiple} keeps every unit of every group at target_sparsity={target:g} "
+                    f"unit_multiple={self.unit_multiple} keeps every unit of every group at target_sparsity={target:g} "
                     f"(the run would train at sparsity 0): {names}. Use a unit_multiple below the groups' sizes (or 1)"
                 )
             kept = f"{len(whole)} of {len(groups)} groups"
-            logger.warning("[hf-sms] unit_multiple=%d keeps every unit of %s: %s", plan.unit_multiple, kept, names)
+            logger.warning("[hf-sms] unit_multiple=%d keeps every unit of %s: %s", self.unit_multiple, kept, names)
 
-    def _check_kinds(self, model, batch, plan, groups) -> None:
+    def _check_kinds(self, model, batch, groups) -> None:
         """A requested kind no group can take is refused (``neurons+heads`` on a model whose config cannot state its
         heads would prune neurons only), unless marked optional (``neurons+heads?``); a kind the config states only
         in part is logged."""
@@ -233,38 +264,33 @@ class Units(Structure):
                     "[hf-sms] structure=%r prunes %d of the %d groups of %s (%s)", self.name, kept, there, kind, why
                 )
 
-    def rounding(self, plan, model, masks, batch):
+    def rounding(self, model, masks, batch):
         """One unit's weights per group (the allocation rounds per group)."""
-        groups = [g for g in self.groups(model, batch, plan.fit_config) if all(m.name in masks for m in g.masked)]
+        groups = [g for g in self.groups(model, batch) if all(m.name in masks for m in g.masked)]
         return sum(max(1, sum(masks[m.name].numel() for m in g.masked) // g.n_units) for g in groups) or len(masks)
 
-    def achieved(self, plan, model, batch):
+    def achieved(self, model, batch):
         """The fraction of every unit of each kind the graph finds that is removed; where ``fit_config`` left
         groups dense, also of the groups pruned (``"filters in pruned groups"``)."""
         every = self.groups(model, batch, fit_config=False)
         out = {k: v["sparsity"] for k, v in unit_report(model, every).items()}
-        pruned = self.groups(model, batch, plan.fit_config)
+        pruned = self.groups(model, batch)
         if len(pruned) < len(every):
             out.update({f"{k} in pruned groups": v["sparsity"] for k, v in unit_report(model, pruned).items()})
         return out
 
-    def final(self, plan, soup, dense, batch):
+    def final(self, soup, dense, batch):
         """The soup cut to its smaller model (its family's own format where its config states the widths, else
         hf-sms's); the pruned soup where nothing can be cut, saying why."""
         try:
-            smaller = shrink(soup, batch, structure=self, fit_config=plan.fit_config, multiple_of=plan.unit_multiple)
+            smaller = shrink(soup, batch, structure=self, fit_config=self.fit_config, multiple_of=self.unit_multiple)
         except (NotImplementedError, ValueError) as e:
             why = f"hf_sms.shrink could not make it smaller ({str(e)[:200]})"
             return Final(soup, "bitmask", ShrinkRecord(PRUNED, why=why))
         return Final(smaller, "dense", shrink_record(dense, soup, smaller, self, batch))
 
-    def preview(self, plan, model, target, batch):
-        pruned = copy.deepcopy(model)
-        plan.prune(pruned, target, example_inputs=batch)
-        return self.final(plan, pruned, model, batch)
-
-    def timed(self, plan, model, batch):
-        smaller = shrink(model, batch, structure=self, fit_config=plan.fit_config, multiple_of=plan.unit_multiple)
+    def timed(self, model, batch):
+        smaller = shrink(model, batch, structure=self, fit_config=self.fit_config, multiple_of=self.unit_multiple)
         return time_smaller(copy.deepcopy(model), smaller, batch)
 
 
