@@ -16,7 +16,7 @@ _EXPORTS = {
     "recalibrate_batchnorm": ".batchnorm",
     "load_sparse": ".checkpoint.sparse",
     "save_sparse": ".checkpoint.sparse",
-    "register_family": ".checkpoint.families",
+    "register_family": ".families",
     "SparseSoupArguments": ".config",
     "SparseSoupConfig": ".config",
     "push_to_hub": ".hub",

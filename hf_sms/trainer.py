@@ -25,10 +25,10 @@ from .arguments import as_sparse_arguments, sparse_config
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
 from .checkpoint.constants import CARD_NAME, MASKS_NAME
-from .checkpoint.sparse import family_of_model
 from .checkpoint.trainer_card import merge_trainer_card
 from .checkpoint.trainer_masks import load_pruning_step, save_masks
 from .config_checks import LR_SCHEDULES
+from .families import family_of
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy, unwrap_optimizer
 from .pruning.masks import PruningStep, apply_masks, masks_from_model
 from .pruning.prunable import Masks
@@ -144,7 +144,7 @@ class SparseSoupMixin:
         if isinstance(model, nn.Module) and not kind_of(args).full and not own:
             model = make_replica(model, args)  # trains args.replica_params; the rest shared with the model, frozen
         if isinstance(model, nn.Module):  # what the model's library needs (smp's config, a loss for logits-only models)
-            family = family_of_model(model.get_base_model() if hasattr(model, "get_base_model") else model)
+            family = family_of(model.get_base_model() if hasattr(model, "get_base_model") else model)
             family.prepare_training(model)
             if not family.computes_loss:
                 kwargs.setdefault("compute_loss_func", cross_entropy_loss)

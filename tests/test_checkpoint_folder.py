@@ -10,10 +10,10 @@ import torch
 from conftest import TinyCNN, make_cnn, make_resnet, make_t5
 
 from hf_sms import apply_masks, compute_masks, load_sparse, save_sparse
-from hf_sms.checkpoint import FAMILIES, FORMAT_VERSION, Family, merge_checkpoints, register_family
-from hf_sms.checkpoint.families import family_of_config
+from hf_sms.checkpoint import FORMAT_VERSION, merge_checkpoints
+from hf_sms.checkpoint.family_files import load_snippet
 from hf_sms.checkpoint.folder import atomic_folder, check_target
-from hf_sms.checkpoint.sparse import family_of_model
+from hf_sms.families import FAMILIES, Family, family_of, family_of_config, register_family
 
 
 def _files(root) -> dict[str, bytes]:
@@ -75,7 +75,7 @@ def test_save_and_merge_write_one_sparsity_json_schema(tmp_path):
 )
 def test_families_detect_models_and_their_folders(tmp_path, make, library):
     model = make()
-    assert family_of_model(model).library == library
+    assert family_of(model).library == library
     save_sparse(model, str(tmp_path), "dense")
     config = json.loads((tmp_path / "config.json").read_text()) if library != "torch" else None
     found = family_of_config(config)
@@ -104,7 +104,7 @@ def test_a_new_family_is_one_registered_entry(tmp_path):
         assert json.loads((tmp_path / "sparsity.json").read_text())["library"] == "tiny_cnn"
         loaded = load_sparse(str(tmp_path))  # built by the family: no template needed
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
-        assert "hf_sms.load_sparse" in family.load_snippet("TinyCNN", "bitmask", "me/tiny")
+        assert "hf_sms.load_sparse" in load_snippet(family, "TinyCNN", "bitmask", "me/tiny")
     finally:
         FAMILIES.remove("tiny_cnn")
 

@@ -12,10 +12,11 @@ from conftest import make_cnn, make_pspnet, make_resnet, make_t5, sms_config
 
 import hf_sms
 from hf_sms import apply_masks, compute_masks, load_sparse, run_sms, save_sparse, uniform_soup
-from hf_sms.checkpoint import FAMILIES, merge_checkpoints
+from hf_sms.checkpoint import merge_checkpoints
 from hf_sms.data import load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.families import FAMILIES, family_of
 from hf_sms.methods.common import MethodContext
 from hf_sms.pruning import masks_from_model
 from hf_sms.soup import soup
@@ -87,6 +88,26 @@ def test_every_soup_keeps_the_mask_and_its_promises(name):
 # -- model families -----------------------------------------------------------------------------------------------
 def test_every_family_has_a_contract_model():
     assert set(FAMILIES) <= set(FAMILY_MODELS), "give a new family a tiny model in FAMILY_MODELS"
+
+
+@pytest.mark.parametrize("library", sorted(FAMILY_MODELS))
+def test_every_family_owns_its_models_widths_and_folders(library):
+    """One class per library: it detects its contract model, rebuilds it from its own config at the same shapes
+    (on the meta device, as the smaller model's search does), makes a batch the model runs, and names only its own
+    knobs; plain torch rebuilds nothing and needs a batch from the caller."""
+    from hf_sms.shrinking.fit import tensor_shapes
+    from hf_sms.shrinking.shrink import eval_output
+
+    family, model = FAMILIES[library], FAMILY_MODELS[library]()
+    assert family_of(model) is family
+    with torch.device("meta"):
+        built = family.build(model, {})
+    if library == "torch":
+        assert built is None and family.example(model) is None
+        return
+    assert tensor_shapes(built) == tensor_shapes(model)
+    assert eval_output(model, family.example(model)).isfinite().all()
+    assert set(family.values(model)) <= {k.name for k in family.knobs}
 
 
 @pytest.mark.parametrize("library", sorted(FAMILY_MODELS))

@@ -82,7 +82,7 @@ def test_modules_stay_readable():
 
 def test_every_table_is_a_registry_with_one_error_message():
     import hf_sms
-    from hf_sms.checkpoint.families import FAMILIES
+    from hf_sms.families import FAMILIES
     from hf_sms.registry import PRETRAIN_SHAPES, Registry
 
     tables = [hf_sms.ALLOCATIONS, hf_sms.RETRAIN_SCHEDULES, PRETRAIN_SHAPES, hf_sms.SOUPS]

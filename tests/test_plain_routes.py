@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from zoo import ZOO, _hf, _image, _timm, _tokens
 
 import hf_sms
-from hf_sms.checkpoint.families import plain_route_lines
+from hf_sms.checkpoint.family_files import plain_route_lines
 from hf_sms.pruning.masks import apply_masks
 from hf_sms.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 

@@ -337,16 +337,16 @@ def test_pretrain_follows_the_pretrain_shape_and_is_reused(tmp_path):
 
 
 def test_cifar_models():
-    from hf_sms.checkpoint.sparse import family_of_model
+    from hf_sms.families import family_of
 
     cifar = _recipe("cifar")
     resnet = cifar.build_model(cifar.ModelArguments(), 10)  # timm's resnet18 with the CIFAR stem
     assert (resnet.conv1.kernel_size, resnet.conv1.stride, type(resnet.maxpool)) == ((3, 3), (1, 1), torch.nn.Identity)
     assert sum(p.numel() for p in resnet.parameters()) == 11_173_962  # the paper's "11 Mio"
-    assert family_of_model(resnet).library == "torch"  # timm would rebuild the ImageNet stem from its config
+    assert family_of(resnet).library == "torch"  # timm would rebuild the ImageNet stem from its config
     assert resnet(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     imagenet = cifar.build_model(cifar.ModelArguments(cifar_stem=False), 2)
-    assert family_of_model(imagenet).library == "timm" and imagenet.conv1.kernel_size == (7, 7)
+    assert family_of(imagenet).library == "timm" and imagenet.conv1.kernel_size == (7, 7)
     wrn = cifar.build_model(cifar.ModelArguments(model_name="wrn20"), 100)  # depth 22, widen 10, as the paper's code
     assert sum(p.numel() for p in wrn.parameters()) == 26_863_460  # the paper's "26 Mio"
     assert sum(isinstance(m, cifar.WideBlock) for m in wrn.modules()) == 9

@@ -15,8 +15,9 @@ Pruned weights are exact zeros and load as ``+0.0``. Only safetensors and JSON a
 
 Modules: ``constants`` (file names, versions), ``codec`` (one tensor <-> values and index), ``masks``
 (eligibility, sparsity statistics), ``safetensors_io`` (reading and writing weight files), ``folder``
-(atomic folders, ``sparsity.json``), ``state`` (tied tensors, strict loading), ``families`` (transformers,
-timm, smp, plain torch), ``reader`` (:class:`SparseCheckpoint`), ``sparse`` (save/load), ``merge``,
+(atomic folders, ``sparsity.json``), ``family_files`` (what the format adds to a family's folder: hf-sms's
+``quantization_config``, loading lines; the families themselves: :mod:`hf_sms.families`),
+``reader`` (:class:`SparseCheckpoint`), ``sparse`` (save/load), ``merge``,
 ``inspect``, ``transformers_integration`` and ``prefetch``.
 """
 
@@ -24,15 +25,11 @@ from ..lazy import lazy_exports
 from .constants import FORMAT_VERSION, FORMATS, INDEX_SUFFIX, SPARSITY_NAME, WEIGHTS_NAME
 
 _EXPORTS = {
-    "FAMILIES": ".families",
-    "Family": ".families",
-    "register_family": ".families",
     "inspect_checkpoint": ".inspect",
     "eligible": ".masks",
     "merge_checkpoints": ".merge",
     "streaming_methods": ".merge",
     "SparseCheckpoint": ".reader",
-    "family_of_model": ".sparse",
     "load_sparse": ".sparse",
     "save_sparse": ".sparse",
 }

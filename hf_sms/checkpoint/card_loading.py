@@ -3,8 +3,9 @@ family's own loader, hf-sms's, or a smaller model's plain route: :mod:`hf_sms.ch
 
 from __future__ import annotations
 
+from ..families import FAMILIES, Family
 from ..shrink_record import ShrinkRecord
-from .families import FAMILIES, Family
+from .family_files import load_snippet
 
 
 def family_of_info(info: dict) -> Family:
@@ -63,7 +64,7 @@ def how_to_load(info: dict, repo: str) -> str:
     shrunk = ShrinkRecord.of(info)
     in_place = shrunk is not None and shrunk.cut_in_place  # hf-sms rebuilds a cut in place, or its plain route
     plain = shrunk.plain if in_place else None
-    snippet = family_of_info(info).load_snippet(
-        info.get("architecture"), info.get("format"), repo, True, not in_place, plain
+    snippet = load_snippet(
+        family_of_info(info), info.get("architecture"), info.get("format"), repo, True, not in_place, plain
     )
     return "```python\n" + snippet + "\n```"

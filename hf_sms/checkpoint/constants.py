@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-WEIGHTS_NAME = "model.safetensors"
+from ..families.base import CONFIG_NAME, WEIGHTS_NAME  # noqa: F401  (the libraries' own file names, named here too)
+
 INDEX_NAME = "model.safetensors.index.json"  # a sharded family save; hf-sms itself writes one file
 SPARSITY_NAME = "sparsity.json"
-CONFIG_NAME = "config.json"
 CARD_NAME = "README.md"
 INDEX_SUFFIX = ".sp_index"  # "W.sp_index" holds the positions of the values stored under "W"
 TMP_PREFIX = ".hf_sms-"  # temporary folders next to the target; hidden, and skipped by Hub uploads

@@ -246,7 +246,7 @@ def write_sparsity(
     Args:
         folder: the checkpoint folder.
         format: ``"bitmask"`` or ``"dense"``.
-        library: the model family (see :mod:`hf_sms.checkpoint.families`).
+        library: the model family (see :mod:`hf_sms.families`).
         architecture: the class the family builds.
         stats: :meth:`MaskStats.summary` of the stored weights (sparsity, numel, nnz, mask_hash, per_tensor).
         recipe: the soup recipe.

@@ -13,8 +13,9 @@ import os
 
 import numpy as np
 
+from ..families import FAMILIES
 from .constants import INDEX_SUFFIX, SPARSITY_NAME
-from .families import FAMILIES
+from .family_files import load_snippet
 from .files import CheckpointFiles
 from .index_format import CODECS, DENSE, check_values, parse_index_bytes, position_chunks
 from .masks import MaskDigest, MaskStats, eligible, floating
@@ -171,8 +172,8 @@ def inspect_checkpoint(directory: str) -> dict:
         "recipe": (info or {}).get("recipe"),
         "metrics": (info or {}).get("metrics"),
         "how_to_load": (
-            family.load_snippet(
-                files.architecture, files.format, location, False, not files.cut_in_place, files.plain_route
+            load_snippet(
+                family, files.architecture, files.format, location, False, not files.cut_in_place, files.plain_route
             )
             if family
             else None

@@ -22,6 +22,7 @@ from ..soup.method import SoupMethod, Tensors
 from .card import write_card
 from .codec import decode_tensor, index_info, mask_part, restamp_index, verified
 from .constants import FORMATS, INDEX_SUFFIX, WEIGHTS_NAME
+from .family_files import write_config
 from .folder import atomic_folder, check_target, copy_companion_files, weight_files, write_sparsity
 from .integrity import weight_manifest
 from .masks import eligible
@@ -273,7 +274,7 @@ def merge_checkpoints(
                 ckpt.check_mask_hash(stats, hashed)
         # Step 3: the folder: input 0's config and processor files, the merged weights, sparsity.json
         copy_companion_files(ref.directory, tmp)
-        ref.family.write_config(tmp, format)
+        write_config(ref.family, tmp, format)
         recipe = dict((ref.info or {}).get("recipe") or {})
         names = [os.path.basename(os.path.normpath(d)) for d in inputs]  # never a local absolute path
         if not _copy:  # a copy keeps what made the soup, and its results

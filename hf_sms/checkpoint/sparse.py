@@ -9,14 +9,15 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from ..atomic import atomic_path
+from ..families import family_of
+from ..families.state import load_into
 from ..shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 from ..shrinking.cut import resize_to
-from ..shrinking.families import config_family
 from ..shrinking.fit import cut_unstated
 from .card import write_card
 from .codec import crc32
 from .constants import CARD_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME
-from .families import FAMILIES, Family
+from .family_files import write_config
 from .folder import atomic_folder, weight_files, write_sparsity
 from .integrity import weight_manifest
 from .masks import MaskStats, eligible
@@ -24,15 +25,6 @@ from .plain import write_plain_route
 from .reader import SparseCheckpoint, check_masks
 from .runtime_load import load_runtime
 from .safetensors_io import SafetensorsFile, WeightsWriter
-from .state import load_into
-
-
-def family_of_model(model: nn.Module) -> Family:
-    """The family of ``model``: one that claims it (:meth:`Family.detects`), else the one registered for the library
-    :func:`~hf_sms.shrinking.config_family` names, else plain torch."""
-    claimed = next((f for f in FAMILIES.values() if f.detects(model)), None)
-    library = config_family(model).library
-    return claimed or (FAMILIES[library] if library in FAMILIES else FAMILIES["torch"])
 
 
 def _store_weights(folder: str, fmt: str) -> tuple[MaskStats, dict[str, int]]:
@@ -97,7 +89,7 @@ def save_sparse(
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    family = family_of_model(model)
+    family = family_of(model)
     shrunk = ShrinkRecord.of({"recipe": recipe})
     if shrunk is None and family.library != "torch" and cut_unstated(model):  # a cut in place, unrecorded
         shrunk = ShrinkRecord(SMALLER, cut=IN_PLACE)
@@ -106,9 +98,9 @@ def save_sparse(
         if processing_class is not None:
             processing_class.save_pretrained(tmp)
         stats, checksums = _store_weights(tmp, format)
-        family.write_config(tmp, format)
+        write_config(family, tmp, format)
         if shrunk is not None and shrunk.cut_in_place:  # a route to load it without hf-sms, where one works
-            example = example_inputs if example_inputs is not None else config_family(model).example(model)
+            example = example_inputs if example_inputs is not None else family.example(model)
             route = write_plain_route(model, tmp, family.library, format, example)
             recipe = {**(recipe or {}), "shrunk": dataclasses.replace(shrunk, **route).to_json()}
         write_sparsity(
@@ -184,4 +176,4 @@ def load_sparse(
         check_masks(ckpt, state_dict)
     if model is not None:
         return load_into(model, state_dict, ckpt.aliases).eval()
-    return ckpt.family.build(ckpt, state_dict, **kwargs).eval()
+    return ckpt.family.load(ckpt, state_dict, **kwargs).eval()

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..checkpoint.sparse import family_of_model
 from ..data import split_validation
+from ..families import family_of
 from ..soup.learned import FitData
 from ..trainer import cross_entropy_loss
 
@@ -21,7 +21,7 @@ def split_fit_data(args, eval_dataset, model: nn.Module, collate, compute_loss_f
     if "learned" not in args.merge_methods:
         return eval_dataset, None
     rest, held = split_validation(eval_dataset, args.soup_options["learned"]["fraction"])
-    own = family_of_model(model).computes_loss and compute_loss_func is None
+    own = family_of(model).computes_loss and compute_loss_func is None
     loss = compute_loss_func or cross_entropy_loss
 
     def batch_loss(mixed: nn.Module, batch) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..families import family_of
 from ..pruning.allocations import get_allocation, n_of_m, parse_n_of_m
 from ..pruning.graph import trace_units
 from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
@@ -24,7 +25,6 @@ from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
 from ..registry import ALLOCATIONS, CRITERIA, STRUCTURES
 from ..runtime.speed import measure_speedup_of, time_smaller
 from ..shrink_record import PRUNED, ShrinkRecord
-from ..shrinking.families import config_family
 from ..shrinking.shrink import KINDS, example_batch, shrink, shrink_record
 from .unit_groups import same_in_train_mode, stated_groups, tell_once
 
@@ -201,7 +201,7 @@ class Units(Structure):
         other = sorted({k for f in trace.found for k in f.kinds} - set(self.kinds))
         lines = [f"{layer}: {why}" for layer, why in list(trace.skipped.items())[:8]]
         if found and self.fit_config:
-            family = config_family(model)
+            family = family_of(model)
             lines.insert(
                 0,
                 f"{len(found)} groups of {self.name}, but {type(model).__name__}'s {family.library} "

@@ -11,11 +11,11 @@ import warnings
 import torch
 from torch import nn
 
+from ..families import family_of
 from ..pruning.graph import trace_units
 from ..pruning.graph.trace import architecture_key
 from ..pruning.units import UnitGroup
 from ..shrinking.cut import cut_in_place, kept_index
-from ..shrinking.families import config_family
 from ..shrinking.fit import fit
 from ..shrinking.shrink import eval_output
 
@@ -83,7 +83,7 @@ def stated_groups(model: nn.Module, batch, groups: list[UnitGroup], kinds) -> li
                 "the smaller model is cut in place and saved with the plain route that loads it without hf-sms "
                 "(timm's pruned.txt, else a torch.export program; the save says which)",
                 type(model).__name__,
-                config_family(model).library,
+                family_of(model).library,
                 "/".join(kinds),
             )
     return _STATED[key]

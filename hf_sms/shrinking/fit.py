@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..families import Family, Knob, family_of
 from ..pruning.units import UnitGroup
-from .families import ConfigFamily, Knob, config_family
 
 _LARGEST = 1 << 14
 _BUILDS: dict = {}  # per model architecture: {knob values: shapes built}
@@ -70,7 +70,7 @@ def pad(kept: torch.Tensor, count: int) -> torch.Tensor:
     return kept
 
 
-def _built(family: ConfigFamily, model: nn.Module, overrides: dict, cache: dict) -> dict | None:
+def _built(family: Family, model: nn.Module, overrides: dict, cache: dict) -> dict | None:
     key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
     if key not in cache:
         try:
@@ -233,14 +233,14 @@ def _searched(family, model, knobs, groups, keep, multiple_of, dense, cache, ove
 def states_itself(model: nn.Module) -> bool:
     """Whether ``model``'s family builds a model of exactly its shapes from its own config (a smaller model cut to
     widths its config states), rather than one only a cut in place has."""
-    family = config_family(model)
+    family = family_of(model)
     return _built(family, model, {}, _cache(family, model)) == tensor_shapes(model)
 
 
 def cut_unstated(model: nn.Module) -> bool:
     """Whether ``model`` is smaller than what its family builds from its own config, tensor by tensor (the same
     tensors, none larger, some smaller): a smaller model cut in place, which only a record of the cut rebuilds."""
-    family = config_family(model)
+    family = family_of(model)
     built, shapes = _built(family, model, {}, _cache(family, model)), tensor_shapes(model)
     if built is None or built.keys() != shapes.keys() or built == shapes:
         return False
@@ -260,7 +260,7 @@ def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], mul
     """The smaller model ``model``'s family can state with the units ``keep`` leaves (each group keeping a multiple
     of ``multiple_of``), or ``None`` where the family rebuilds nothing (plain torch). Groups no knob states keep
     every unit."""
-    family = config_family(model)
+    family = family_of(model)
     cache = _cache(family, model)  # a run fits twice
     if _built(family, model, {}, cache) is None:
         return None

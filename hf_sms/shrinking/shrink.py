@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from ..batchnorm import forward_batch
+from ..families import family_of
 from ..pruning.graph import trace_units
 from ..pruning.prunable import accepts_labels, parameter_count, train_forward, unfused_attention
 from ..pruning.units import UnitGroup, removed_units, unit_report
 from ..shrink_record import BY_CONFIG, IN_PLACE, SMALLER, ShrinkRecord
 from .cut import cut_in_place, cut_state_dict, kept_index
-from .families import FAMILY_CONFIGS, config_family
 from .fit import fit, pad, states_itself
 
 KINDS = ("filters", "neurons", "heads")
@@ -136,7 +136,7 @@ def example_batch(model: nn.Module, example_inputs=None):
     """``example_inputs``, or a small batch ``model``'s family makes; ``ValueError`` where neither is there."""
     if example_inputs is not None:
         return example_inputs
-    batch = config_family(model).example(model)
+    batch = family_of(model).example(model)
     if batch is None:
         raise ValueError(
             f"hf-sms finds units by tracing one forward; {type(model).__name__} needs a batch: pass example_inputs"
@@ -159,7 +159,7 @@ def shrink(
     Units are found by tracing ``model`` on the batch (:mod:`hf_sms.pruning.graph`). The copy has ``model``'s class
     and module names and smaller layers. With ``fit_config`` its family's own config states the smaller widths
     (transformers' ``intermediate_size``/``d_ff``/``num_attention_heads``..., timm's ``base_width``/``mlp_ratio``,
-    smp's decoder channels: :mod:`hf_sms.shrinking.families`), so its own ``save_pretrained`` loads with plain
+    smp's decoder channels: :mod:`hf_sms.families`), so its own ``save_pretrained`` loads with plain
     transformers / timm / smp; units its config cannot drop stay as the zeros they are (exact), with a warning.
     ``model`` is not changed; the copy's eval outputs on the batch are checked against ``model``'s.
 
@@ -213,7 +213,7 @@ def shrink(
 
 
 def _rebuilt(model: nn.Module, groups: list[UnitGroup], fitted) -> nn.Module:
-    family = config_family(model)
+    family = family_of(model)
     param = next(model.parameters())
     smaller = family.build(model, fitted.overrides)
     smaller.load_state_dict(cut_state_dict(model, kept_index(model, groups, fitted.keep)))
@@ -249,7 +249,7 @@ def zero_units_kept(smaller: nn.Module, example_inputs, structure=None) -> dict[
 def dense_values(dense: nn.Module, smaller: nn.Module) -> dict:
     """``{knob: value in dense}`` for every knob of the family whose value differs in ``smaller``: what
     :func:`dense_shaped` needs to rebuild the dense widths."""
-    family = config_family(dense)
+    family = family_of(dense)
     a, b = family.values(dense), family.values(smaller)
     return {k: a.get(k) for k in a if a.get(k) != b.get(k)}
 
@@ -258,7 +258,7 @@ def dense_shaped(smaller: nn.Module, dense_config: dict, device=None) -> nn.Modu
     """A randomly initialised model of ``smaller``'s kind with the dense knob values ``dense_config`` records (read
     from a checkpoint: only the family's knobs, numbers or ``None``): the shapes it was shrunk from, for timing; on
     ``device`` (default: ``smaller``'s; a meta-device ``smaller`` gives its config only)."""
-    family = config_family(smaller)
+    family = family_of(smaller)
     names = {k.name for k in family.knobs}
 
     def ok(v):
@@ -267,7 +267,7 @@ def dense_shaped(smaller: nn.Module, dense_config: dict, device=None) -> nn.Modu
         return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 2**20)
 
     bad = {k: v for k, v in (dense_config or {}).items() if k not in names or not ok(v)}
-    if bad or not dense_config or family is FAMILY_CONFIGS.get("transformers") and not hasattr(smaller, "config"):
+    if bad or not dense_config or family.library == "transformers" and not hasattr(smaller, "config"):
         raise ValueError(f"cannot rebuild the dense shapes from {dense_config!r} (knobs {sorted(names)})")
     dense = family.build(smaller, {k: tuple(v) if isinstance(v, list) else v for k, v in dense_config.items()})
     if dense is None:
