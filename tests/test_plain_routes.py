@@ -1,6 +1,7 @@
-"""Smaller models their own library loads (issue 37 item 4): a model cut in place, where its library's config
-cannot state the widths, is saved with timm's ``pruned.txt`` or a ``torch.export`` program, and the card's lines
-load it in a process that never imports hf_sms, with the smaller model's outputs."""
+"""Smaller models their own library loads (issue 37 item 4): pruned at 50% with the default arguments, a model
+whose library's config cannot state the widths is cut in place and saved with timm's ``pruned.txt`` or a
+``torch.export`` program; one whose config states them is its library's own folder. The card's lines load each in a
+process that never imports hf_sms, with the smaller model's outputs."""
 
 import json
 import subprocess
@@ -16,7 +17,15 @@ from hf_sms.checkpoint.family_files import plain_route_lines
 from hf_sms.pruning.masks import apply_masks
 from hf_sms.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 
-CASES = {  # name: (model, batch, structure, the route it gets)
+
+def _pspnet(seed=0):
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(seed)
+    return smp.PSPNet("resnet18", encoder_weights=None, classes=3)  # smp's own encoder, fixed by its name
+
+
+CASES = {  # name: (model, batch, structure, the route its folder gets with the default arguments)
     "efficientnet_b0": (ZOO["efficientnet_b0"].make, _image(32), "filters", "timm"),
     "mobilenetv3": (ZOO["mobilenetv3"].make, _image(32), "filters", "timm"),
     "convnext_atto": (ZOO["convnext_atto"].make, _image(32), "filters+neurons", "timm"),
@@ -24,9 +33,11 @@ CASES = {  # name: (model, batch, structure, the route it gets)
     "bloom": (_hf("BloomForCausalLM", "BloomConfig", vocab_size=64, hidden_size=16, n_layer=2, n_head=2),
               _tokens, "neurons", "torch.export"),
     "bart_heads": (ZOO["bart"].make, lambda: {"input_ids": _tokens()["input_ids"]}, "heads", "torch.export"),
-    "smp_pspnet": (ZOO["smp_pspnet"].make, _image(32), "filters", "torch.export"),
+    "smp_pspnet": (_pspnet, _image(64), "filters", "smp"),  # its config states the decoder: smp loads it
+    "smp_pspnet_every_unit": (_pspnet, _image(64), "filters", "torch.export"),  # fit_config=False: the encoder too
     "torchvision_resnet": (ZOO["torchvision_resnet"].make, _image(32), "filters", "torch.export"),
 }  # fmt: skip
+OWN = {"smp": "import segmentation_models_pytorch as smp\nmodel = smp.from_pretrained({f!r})"}
 
 LOAD = """
 import json, sys
@@ -49,10 +60,14 @@ save_file(out, sys.argv[2])
 
 
 def _smaller(name):
+    """``name``'s model pruned at 50% and cut with the default arguments (the final soup of a default run)."""
     make, batch, structure, _ = CASES[name]
     model, x = make().eval(), batch()
-    apply_masks(model, hf_sms.compute_masks(model, 0.5, structure=structure, example_inputs=x, fit_config=False))
-    return hf_sms.shrink(model, x, structure=structure, fit_config=False), x
+    every = {"fit_config": False} if name.endswith("every_unit") else {}
+    apply_masks(model, hf_sms.compute_masks(model, 0.5, structure=structure, example_inputs=x, **every))
+    smaller = hf_sms.shrink(model, x, structure=structure, **every)
+    assert hf_sms.shrinking.parameter_count(smaller) < hf_sms.shrinking.parameter_count(model), name
+    return smaller, x
 
 
 def test_smaller_models_load_without_hf_sms(tmp_path):
@@ -63,12 +78,17 @@ def test_smaller_models_load_without_hf_sms(tmp_path):
         # no record passed: found by its shapes against its config; a plain torch model has none, a run records it
         recipe = {"shrunk": ShrinkRecord(SMALLER, cut=IN_PLACE).to_json()} if "torchvision" in name else None
         hf_sms.save_sparse(smaller, str(folder), "dense", recipe=recipe, example_inputs=x)
-        shrunk = json.loads((folder / "sparsity.json").read_text())["recipe"]["shrunk"]
-        assert (shrunk["cut"], shrunk.get("plain")) == ("in place", route), name
+        recipe = json.loads((folder / "sparsity.json").read_text()).get("recipe") or {}
         card = (folder / "README.md").read_text()
-        assert "No hf-sms needed" in card and ("pruned.txt" if route == "timm" else "model.pt2") in card, name
+        assert "No hf-sms needed" in card, name
+        if route in OWN:  # a smaller model its config states: its library's own folder
+            assert "shrunk" not in recipe and not (folder / "model.pt2").exists(), name
+            jobs[name] = (str(folder), OWN[route].format(f=str(folder)))
+        else:
+            assert (recipe["shrunk"]["cut"], recipe["shrunk"].get("plain")) == ("in place", route), name
+            assert ("pruned.txt" if route == "timm" else "model.pt2") in card, name
+            jobs[name] = (str(folder), "\n".join(plain_route_lines(route, str(folder), hub=False)))
         save_file({"x": x} if torch.is_tensor(x) else x, str(folder / "batch.safetensors"))
-        jobs[name] = (str(folder), "\n".join(plain_route_lines(route, str(folder), hub=False)))
         with torch.no_grad():
             y = smaller(x) if torch.is_tensor(x) else smaller(**x).logits
         expected[name] = y.float()
