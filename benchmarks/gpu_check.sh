@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check on a lent GPU machine (H200, 2026-11-28: a 100 s, b 37 s, c 40 s, d over 100 s, e 9 s,
-# f 230 s; g and h not yet run on a GPU, 32 s and 11 s on this CPU: about 10 minutes, so a 15-minute lease runs it
+# f 230 s; g, h, i not yet run on a GPU, 32, 11 and 12 s on this CPU: about 11 minutes, so a 15-minute lease runs it
 # once; pass the wanted steps first); record what it prints in docs/benchmarks.md ("GPU check"). On a CPU,
 # --dry-run runs tiny versions of every step (tests/test_gpu_check.py).
 #
@@ -20,14 +20,16 @@
 #     8 in bf16 (SparseSoupConfig.unit_multiple); (f) peak CUDA memory and time of one SMS phase (m = 3) with full
 #     replicas vs bias_norm / mask_lora / scale_lora on a LLaMA-shaped model of ~110M parameters (issue 35);
 #     (g) BatchNorm recalibration behind dropout on 1, 2, 3 processes sharing the GPU: the same statistics (issue 37);
-#     (h) the learned soup's fit: peak CUDA memory against one training step (issue 38, target ratio <= 1).
+#     (h) the learned soup's fit: peak CUDA memory against one training step (issue 38, target ratio <= 1);
+#     (i) SparseSoupTrainer under transformers' own `fsdp` arguments (FSDP2 through accelerate, GPU only): masks
+#     exact after training, save_model -> load_sparse, step time and peak memory with and without FSDP (issue 35).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1 && shift
 STEPS=("$@")
-[[ ${#STEPS[@]} == 0 ]] && STEPS=(a b c d e f g h)
+[[ ${#STEPS[@]} == 0 ]] && STEPS=(a b c d e f g h i)
 PY=${PYTHON:-python3}
 "$PY" - <<'EOF'
 import importlib, sys
@@ -121,8 +123,17 @@ step_h() {
   fi
 }
 
+step_i() {
+  echo "== (i) SparseSoupTrainer with transformers' fsdp arguments (FSDP2) =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/trainer_fsdp.py --no-fsdp --device cpu --steps 2 --hidden 64 --layers 2 --seq 16
+  else
+    "$PY" -m torch.distributed.run --nproc_per_node 1 benchmarks/trainer_fsdp.py --steps 10
+  fi
+}
+
 # each step in its own `bash -e` (errexit holds inside it), at most STEP_TIMEOUT seconds (0: no limit)
-export -f step_a step_b step_c step_d step_e step_f step_g step_h
+export -f step_a step_b step_c step_d step_e step_f step_g step_h step_i
 export DRY PY OUTDIR
 failed=()
 for step in "${STEPS[@]}"; do

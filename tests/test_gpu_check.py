@@ -27,6 +27,7 @@ def test_gpu_check_and_the_scripts_it_calls_parse():
         "benchmarks/replica_memory.py",
         "benchmarks/batchnorm_processes.py",
         "benchmarks/learned_soup_memory.py",
+        "benchmarks/trainer_fsdp.py",
     } <= called
     for path in called:
         py_compile.compile(str(ROOT / path), doraise=True)
@@ -50,6 +51,9 @@ def test_gpu_check_dry_run():
         "== (h)",
         "fit / (weights + one training step) =",
         "masks exact after every run",
+        "== (i)",
+        "OK   masks exact after training",
+        "OK   save_model -> load_sparse",
         "gpu_check done",
     ):
         assert step in out
