@@ -57,6 +57,22 @@ def _buckets(template: StateDict, keys) -> list[tuple]:
     return out + ([tuple(current)] if current else [])
 
 
+def _pieces(template: StateDict, keys) -> list[tuple[tuple[str, int, int], ...]]:
+    """``keys``' elements in consecutive pieces of at most ``BUCKET``: ``((key, start, stop), ...)`` each, a larger
+    tensor split over several (a LLaMA's embedding is a third of the model: its float64 copy alone would be 0.8x)."""
+    out, current, size = [], [], 0
+    for k in keys:
+        n, lo = template[k].numel(), 0
+        while lo < n:
+            take = min(n - lo, BUCKET - size)
+            current.append((k, lo, lo + take))
+            size, lo = size + take, lo + take
+            if size == BUCKET:
+                out.append(tuple(current))
+                current, size = [], 0
+    return out + ([tuple(current)] if current else [])
+
+
 def launched_world_size() -> int:
     return (
         dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
@@ -339,18 +355,22 @@ class ReplicaWorld:
     @torch.no_grad()
     def pairwise_l2(self, local: dict[int, torch.nn.Module], n: int, like: torch.nn.Module) -> list[float]:
         """L2 distance between every pair of the ``n`` replicas (models shaped like ``like``), i < j order; one
-        bucket of parameters at a time (float64 copies of a bucket, never of whole models)."""
+        piece of at most ``BUCKET`` elements at a time (float64 copies of a piece, never of a whole model or
+        tensor)."""
         shapes = dict(like.named_parameters())
         params = {i: dict(m.named_parameters()) for i, m in local.items()}
         sq = {(i, j): 0.0 for j in range(n) for i in params if i < j}
-        for bucket in _buckets(shapes, list(shapes)):
-            flats = {i: torch.cat([ps[k].detach().reshape(-1).double() for k in bucket]) for i, ps in params.items()}
-            size = sum(shapes[k].numel() for k in bucket)
+        for piece in _pieces(shapes, list(shapes)):
+            flats = {
+                i: torch.cat([ps[k].detach().reshape(-1)[lo:hi].double() for k, lo, hi in piece])
+                for i, ps in params.items()
+            }
+            size = sum(hi - lo for _, lo, hi in piece)
             for j in range(n):  # the owner of j shares it; every group measures its own replicas against it
                 ref = self._from_owner(flats.get(j), j, size)
                 for i in flats:
                     if i < j:
-                        sq[i, j] += float((flats[i] - ref.to(flats[i].device)).square().sum())
+                        sq[i, j] += float((flats[i] - ref.to(flats[i].device)).square_().sum())
         dists = self.gather({key: v**0.5 for key, v in sq.items()})
         return [dists[(i, j)] for i in range(n) for j in range(i + 1, n)]
 
