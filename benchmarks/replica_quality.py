@@ -35,6 +35,7 @@ p.add_argument("--kinds", nargs="*", default=["all", "bias_norm", "mask_lora", "
 p.add_argument("--pretrain-steps", type=int, default=1500)
 p.add_argument("--steps", type=int, default=150, help="retraining steps per replica")
 p.add_argument("--json", default=None, help="write every run's rows here")
+p.add_argument("--seed", type=int, default=0, help="the SMS runs' seed (replicas' streams); pretraining stays seed 0")
 cli = p.parse_args()
 if cli.quick:
     cli.sparsities, cli.criteria, cli.kinds = [0.5], ["magnitude"], ["mask_lora"]
@@ -104,7 +105,8 @@ for sparsity in cli.sparsities:
                 merge_methods=["uniform"], baselines=["imp", "imp_mx"], criterion=criterion, replica_params=kind,
                 max_steps=cli.steps, learning_rate=LR[kind], optim="adamw_torch", weight_decay=0.0,
                 retrain_schedule="llr", lora_rank=8, lora_alpha=16, measure_speedup=False,
-                per_device_eval_batch_size=32, **{k: v for k, v in common.items() if k != "save_strategy"},
+                per_device_eval_batch_size=32,
+                **{**{k: v for k, v in common.items() if k != "save_strategy"}, "seed": cli.seed},
             )  # fmt: skip
             t0 = time.time()
             _, results = run_sms(dense, args, train, metric, eval_dataset=val, test_dataset=test)
@@ -112,7 +114,7 @@ for sparsity in cli.sparsities:
             r = results["rows"]
             cells = [-r[m][-1]["test"] for m in ("sms_uniform", "best_candidate", "mean_candidate", "imp", "imp_mx")]
             rows.append({"sparsity": sparsity, "criterion": criterion, "replica_params": kind, "test_ppl": cells,
-                         "seconds": seconds})  # fmt: skip
+                         "seconds": seconds, "seed": cli.seed})  # fmt: skip
             print(f"| {sparsity:.0%} | {criterion} | {kind} | " + " | ".join(f"{c:.3f}" for c in cells)
                   + f" | {seconds:.0f} |", flush=True)  # fmt: skip
 if cli.json:
