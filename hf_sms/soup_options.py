@@ -29,6 +29,7 @@ def resolve_soup_options(config) -> dict[str, dict[str, float]]:
     stray = sorted(set(given) - set(used))
     if stray:
         raise ValueError(
-            f"soup_options names {stray}, which neither merge_methods={config.merge_methods} nor the baselines run"
+            f"soup_options names {stray}, which this run does not run (merge_methods={config.merge_methods}, and the "
+            "soups of the baselines asked for)"
         )
     return {m: SOUPS.get(m).resolve(m, given.get(m)) for m in used if SOUPS.get(m).options}

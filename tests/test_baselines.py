@@ -125,7 +125,7 @@ def test_cia_and_caa_superpose_one_at_a_time_and_reprune_after_each(method, weig
 def test_cia_decay_is_an_option_of_its_baseline(tmp_path):
     args = sms_config(tmp_path, baselines=["imp_reprune_cia"], soup_options={"reprune_cia": {"decay": 0.25}})
     assert args.soup_options["reprune_cia"] == {"decay": 0.25}
-    with pytest.raises(ValueError, match="nor the baselines run"):
+    with pytest.raises(ValueError, match="does not run"):
         sms_config(tmp_path, baselines=["imp_reprune"], soup_options={"reprune_cia": {"decay": 0.25}})
     with pytest.raises(ValueError, match="decay"):
         sms_config(tmp_path, baselines=["imp_reprune_cia"], soup_options={"reprune_cia": {"decay": 0}})

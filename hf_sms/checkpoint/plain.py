@@ -68,12 +68,13 @@ def write_plain_route(model: nn.Module, folder: str, library: str, fmt: str, exa
 def _inputs(model: nn.Module, example):
     """The batch the model's forward takes, labels left out (the program computes outputs, not a loss); a
     sequence-to-sequence model gets the decoder inputs its labels imply."""
+    device = next(model.parameters()).device  # the program is exported and checked where the model is
     if not isinstance(example, dict):
-        return example if torch.is_tensor(example) else None
-    inputs = {k: v for k, v in example.items() if k not in ("labels", "label") and torch.is_tensor(v)}
+        return example.to(device) if torch.is_tensor(example) else None
+    inputs = {k: v.to(device) for k, v in example.items() if k not in ("labels", "label") and torch.is_tensor(v)}
     shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if "labels" in example and "decoder_input_ids" not in inputs and shift is not None:
-        inputs["decoder_input_ids"] = shift(labels=example["labels"])
+        inputs["decoder_input_ids"] = shift(labels=example["labels"].to(device))
     return inputs or None
 
 

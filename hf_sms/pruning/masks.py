@@ -103,9 +103,9 @@ def phase_sparsities(target: float, n_phases: int) -> list[float]:
     if not isinstance(n_phases, int) or n_phases < 1:
         raise ValueError(f"n_phases must be a positive integer, got {n_phases!r}")
     q = 1.0 - (1.0 - target) ** (1.0 / n_phases)
-    out = [1.0 - (1.0 - q) ** p for p in range(1, n_phases + 1)]
-    out[-1] = float(target)  # exact, not 1 - (1 - q)**P with rounding error
-    return out
+    # the last exactly the target, not 1 - (1 - q)**P with rounding error; none before it above it (a tiny target's
+    # rounding could put one 1e-16 over, and sparsities only grow)
+    return [min(1.0 - (1.0 - q) ** p, float(target)) for p in range(1, n_phases)] + [float(target)]
 
 
 @torch.no_grad()
