@@ -26,7 +26,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..shrinking.shrink import eval_output
+from ..shrinking.shrink import eval_output, main_output
 from .constants import PROGRAM, TIMM_WIDTHS, WEIGHTS_NAME
 
 logger = logging.getLogger("hf_sms")
@@ -79,18 +79,9 @@ def _inputs(model: nn.Module, example):
 
 
 def _matches(expected: torch.Tensor, got) -> bool:
-    got = _main(got).float()
+    got = main_output(got).float()
     scale = float(expected.abs().max().clamp_min(1e-12))
     return got.shape == expected.shape and float((got.to(expected.device) - expected).abs().max()) <= 1e-4 * scale
-
-
-def _main(out) -> torch.Tensor:
-    if torch.is_tensor(out):
-        return out
-    logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
-    if logits is not None:
-        return logits
-    return _main(next(iter(out.values())) if isinstance(out, dict) else out[0])
 
 
 def _call(module, inputs):

@@ -37,7 +37,8 @@ def kinds_of(structure) -> tuple[str, ...]:
     return tuple(k.strip() for k in structure.split("+"))
 
 
-def _output(out) -> torch.Tensor:
+def main_output(out) -> torch.Tensor:
+    """A forward's main output: the tensor, its ``logits``, or the first tensor of a mapping or tuple."""
     if torch.is_tensor(out):
         return out
     if isinstance(out, Mapping) or hasattr(out, "logits"):
@@ -45,7 +46,7 @@ def _output(out) -> torch.Tensor:
         if logits is not None:
             return logits
         return next(v for v in (out.values() if isinstance(out, Mapping) else out) if torch.is_tensor(v))
-    return _output(out[0])
+    return main_output(out[0])
 
 
 @torch.no_grad()
@@ -56,7 +57,7 @@ def eval_output(model: nn.Module, example_inputs) -> torch.Tensor:
     try:
         with unfused_attention():
             device = next(model.parameters()).device
-            return _output(forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))).float()
+            return main_output(forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))).float()
     finally:
         model.train(was_training)
 
@@ -82,7 +83,7 @@ def train_output(model: nn.Module, example_inputs) -> torch.Tensor:
     try:
         with unfused_attention(), train_forward(model):
             device = next(model.parameters()).device
-            return _output(forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))).float()
+            return main_output(forward_batch(model, example_inputs, device, keep_labels=accepts_labels(model))).float()
     except (RuntimeError, ValueError, IndexError) as e:
         e.hf_sms_module = entered[0]
         raise
