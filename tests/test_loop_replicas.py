@@ -280,3 +280,39 @@ def test_paper_settings_no_clipping_and_decay_on_every_parameter(tmp_path):
     trainer.create_optimizer()
     decayed = [p for g in trainer.optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]]
     assert len(decayed) == 2  # transformers' default leaves biases out
+
+
+def test_finished_replicas_wait_on_disk_and_give_the_same_soup(tmp_path, monkeypatch):
+    """On one process the m - 1 replicas finished before the last one wait for the soup in their folders, not in
+    memory (benchmarks/replica_memory.py); loaded back (and BatchNorm recalibrated there), they give the soup, the
+    candidates' rows and the diagnostics of a run that kept them in memory, bit for bit."""
+    from hf_sms.loop import rounds
+
+    train, val, test = load_digits_splits(seed=0)
+    train = TensorDictDataset(train.x[:96], train.labels[:96])
+    parked = []
+    park = rounds.park
+    monkeypatch.setattr(rounds, "park", lambda start, folder: parked.append(folder) or park(start, folder))
+
+    def run(out, parks=True):
+        if not parks:
+            monkeypatch.setattr(rounds, "_parks", lambda *a, **k: False)
+        args = _config(out, n_phases=1, num_replicas=3, num_train_epochs=1, per_device_train_batch_size=32)
+        torch.manual_seed(0)  # the same starting model
+        runner = SparseModelSoup(DigitsResNet(width=4), args, train, ClassificationAccuracy(), val, test)
+        return runner.run().state_dict(), runner.results
+
+    soup, results = run(tmp_path / "parked")
+    assert [f.rsplit("/", 2)[-2:] for f in parked] == [["phase1", "replica0"], ["phase1", "replica1"]]
+    kept_soup, kept = run(tmp_path / "kept", parks=False)
+    assert len(parked) == 2  # the second run parked nothing
+    assert [k for k in soup if not torch.equal(soup[k], kept_soup[k])] == []
+    drop = ("seconds", "eval_seconds", "measured_speedup")  # timings
+
+    def scores(rows):
+        return {name: [{k: v for k, v in r.items() if k not in drop} for r in rs] for name, rs in rows.items()}
+
+    assert scores(results["rows"]) == scores(kept["rows"])
+    assert [{k: v for k, v in d.items() if k not in drop} for d in results["sms"]] == [
+        {k: v for k, v in d.items() if k not in drop} for d in kept["sms"]
+    ]

@@ -70,7 +70,7 @@ def merge_adapters(model: nn.Module, masks: Masks | None = None, return_report: 
         dropped = delta[~keep]
         dropped_sq += float(dropped.double().square().sum())
         kept_sq += float(delta[keep].double().square().sum())
-        dropped_entries += int((dropped != 0).sum())
+        dropped_entries += int(torch.count_nonzero(dropped))
         weight.add_((delta * keep).to(weight.dtype))
         weight.masked_fill_(~keep, 0)
         _replace(base, name, inner)
@@ -84,7 +84,7 @@ def merge_adapters(model: nn.Module, masks: Masks | None = None, return_report: 
                 dropped = (p - original)[~keep]
                 dropped_sq += float(dropped.double().square().sum())
                 kept_sq += float((p - original)[keep].double().square().sum())
-                dropped_entries += int((dropped != 0).sum())
+                dropped_entries += int(torch.count_nonzero(dropped))
                 p.masked_fill_(~keep, 0)
         _replace(base, name, trained)
     if not hasattr(model, "get_base_model") and "peft_config" in vars(base):

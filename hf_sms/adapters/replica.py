@@ -201,17 +201,30 @@ def soup_of_states(start: nn.Module, states: Sequence[State], weights: Sequence[
     """The soup of subset replicas of ``start`` (made with ``args``): a plain copy of ``start`` plus the weighted sum
     of their updates (``weights`` sum to 1), layer by layer; pruned weights stay exactly zero. ``template``: a replica
     of ``start`` made with ``args`` (built here if not given; a caller making many soups builds it once)."""
-    kind, model = kind_of(args), copy.deepcopy(start)
+    kind = kind_of(args)
+    layers = [] if kind.adapters is None else _lora_layers(template or make_replica(start, args))
+    changed = set(states[0]) if kind.adapters is None else {plain_name(prefix) + ".weight" for prefix, _ in layers}
+    model = _sharing(start, changed)
     params = dict(model.named_parameters())
     if kind.adapters is None:  # the trained tensors themselves: their weighted mean (float64 sums, as every soup)
         for name in states[0]:
             params[name].copy_(average_tensors([s[name] for s in states], weights))
         return model
-    for prefix, layer in _lora_layers(template or make_replica(start, args)):
+    for prefix, layer in layers:
         delta = layer_update(layer, states, weights, prefix)
         weight = params[plain_name(prefix) + ".weight"]
         weight.add_(delta.to(weight.dtype) * (weight != 0))  # zeros stay exactly zero whatever the sum's rounding
     return model
+
+
+def _sharing(start: nn.Module, changed: set[str]) -> nn.Module:
+    """A copy of ``start`` whose parameters outside ``changed`` share ``start``'s storage (new Parameter objects, as a
+    replica's frozen ones): a soup of subset replicas costs the tensors it changes, not a model (the phase's start
+    is not used after its soup; the next phase prunes the soup in place)."""
+    named = list(start.named_parameters(remove_duplicate=False))
+    written = {id(p) for n, p in named if n in changed}  # a tied weight is written if any of its names is
+    memo = {id(p): nn.Parameter(p.data, requires_grad=p.requires_grad) for _, p in named if id(p) not in written}
+    return copy.deepcopy(start, memo)
 
 
 def replica_distances(start: nn.Module, states: Sequence[State], args, template=None) -> list[float]:

@@ -36,25 +36,12 @@ from .launcher import hide_launcher_env, launcher_env_hidden
 StateDict = dict[str, torch.Tensor]
 
 
-BUCKET = 1 << 22  # elements per all-reduce of a soup or distance: bounded float64 copies, few collectives
+BUCKET = 1 << 20  # elements per all-reduce of a soup or distance: float64 copies of 8 MiB, few collectives
 
 
 def _flat(state_dict: StateDict, keys) -> torch.Tensor:
     tensors = [state_dict[k].reshape(-1) for k in keys]
     return torch.cat(tensors) if tensors else torch.zeros(0)
-
-
-def _buckets(template: StateDict, keys) -> list[tuple]:
-    """``keys`` in consecutive groups of at most ``BUCKET`` elements (a larger tensor alone)."""
-    out, current, size = [], [], 0
-    for k in keys:
-        n = template[k].numel()
-        if current and size + n > BUCKET:
-            out.append(tuple(current))
-            current, size = [], 0
-        current.append(k)
-        size += n
-    return out + ([tuple(current)] if current else [])
 
 
 def _pieces(template: StateDict, keys) -> list[tuple[tuple[str, int, int], ...]]:
@@ -282,35 +269,57 @@ class ReplicaWorld:
         return {i: v for part in parts for i, v in part.items()}
 
     @torch.no_grad()
-    def average(self, local: dict[int, StateDict], weights: Sequence[float], template: StateDict) -> StateDict:
+    def average(
+        self,
+        local: dict[int, StateDict],
+        weights: Sequence[float],
+        template: StateDict,
+        into: StateDict | None = None,
+    ) -> StateDict:
         """Weighted mean of the replicas' state dicts (one weight per replica, 0 leaves it out), whichever
-        process holds them.
+        process holds them; written into ``into``'s tensors where given (a model's ``state_dict()``: no second copy).
 
-        The averaging kernel (:class:`hf_sms.soup.averaging.Accumulator`) on one flat buffer per dtype class:
-        each group main adds its replicas, one all-reduce sums the parts; integer buffers come from the
-        first replica with a nonzero weight.
+        The averaging kernel (:class:`hf_sms.soup.averaging.Accumulator`) piece by piece (at most ``BUCKET``
+        elements, a large tensor split): each group main adds its replicas, one all-reduce sums the parts; integer
+        buffers come from the first replica with a nonzero weight.
         """
-        floats = tuple(k for k, v in template.items() if v.is_floating_point())
+        floats = [k for k, v in template.items() if v.is_floating_point()]
         ints = tuple(k for k, v in template.items() if not v.is_floating_point())
         first = next(i for i, w in enumerate(weights) if w)
         mine = [i for i, w in enumerate(weights) if w and i in local] if self.is_group_main else []
+        # the result's tensors: ``into``'s, a new one where one of those is not contiguous (copied into it at the end)
         out = {}
-        # bucket by bucket: the float64 sums and flat copies of one bucket at a time, never of the whole model
-        for keys, floating in [(b, True) for b in _buckets(template, floats)] + [(ints, False)]:
-            if not keys:
-                continue
-            acc = Accumulator(_flat(template, keys), self.device)
-            for i in mine if floating else [first] if first in mine else []:
-                acc.add(_flat(local[i], keys), weights[i] if floating else 1.0)
+        for k, v in template.items():
+            given = into[k] if into is not None else None
+            fresh = given is None or not given.is_contiguous()
+            out[k] = torch.empty_like(v, memory_format=torch.contiguous_format) if fresh else given
+        # float64 sums and copies of one piece at a time, never of a whole model or tensor
+        for piece in _pieces(template, floats):
+            acc = Accumulator(torch.empty(sum(hi - lo for _, lo, hi in piece)), self.device)
+            for i in mine:
+                acc.add(torch.cat([local[i][k].reshape(-1)[lo:hi] for k, lo, hi in piece]), weights[i])
             if self.size > 1:
                 dist.all_reduce(acc.total)
             offset = 0
-            for k in keys:  # cast each tensor from the float64 sum, as Accumulator.result does
+            for k, lo, hi in piece:  # cast each slice from the float64 sum, as Accumulator.result does
+                out[k].view(-1)[lo:hi].copy_(acc.total[offset : offset + hi - lo])
+                offset += hi - lo
+        if ints:
+            acc = Accumulator(_flat(template, ints), self.device)
+            if first in mine:
+                acc.add(_flat(local[first], ints))
+            if self.size > 1:
+                dist.all_reduce(acc.total)
+            offset = 0
+            for k in ints:
                 n = template[k].numel()
-                like = template[k]
-                out[k] = acc.total[offset : offset + n].view(like.shape).to(like.device, like.dtype)
+                out[k].copy_(acc.total[offset : offset + n].view(template[k].shape))
                 offset += n
-        return {k: out[k] for k in template}
+        if into is not None:
+            for k in template:
+                if out[k] is not into[k]:
+                    into[k].copy_(out[k])
+        return {k: (into if into is not None else out)[k] for k in template}
 
     @torch.no_grad()
     def all_candidates(self, local: dict[int, StateDict], n: int, template: StateDict) -> dict[int, StateDict]:

@@ -3,17 +3,20 @@ and replicas that train a subset of the model (``replica_params``; :mod:`hf_sms.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import gc
 import logging
 import os
+from dataclasses import dataclass
 
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..adapters.replica import load_trained_state, make_replica, merged_copy, trained_state
 from ..atomic import atomic_path
+from ..checkpoint import load_sparse
 from ..checkpoint.constants import REPLICA_STATE
 from ..checkpoint.folder import checkpoint_file
 
@@ -48,6 +51,43 @@ def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), **trainer_
     del trainer
     release_memory()
     return model
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A finished full replica waiting for its soup on disk, in its checkpoint folder, instead of in memory."""
+
+    start: nn.Module
+    folder: str
+
+
+def park(start: nn.Module, folder: str) -> Parked:
+    """Let go of a finished replica (its folder holds it, bit for bit) and hand its memory back to the system: with
+    m full replicas trained in turn, the process then holds the one in training, not also the m - 1 before it
+    (benchmarks/replica_memory.py). :func:`load_replica` brings it back."""
+    release_memory()  # the caller dropped its last reference to the replica
+    return Parked(start, folder)
+
+
+def load_replica(start: nn.Module, folder: str, masks=None) -> nn.Module:
+    """A finished replica: a copy of ``start`` loaded from its checkpoint ``folder``; with ``masks``, refused where it
+    holds weights they prune."""
+    model = copy.deepcopy(start)
+    try:
+        load_sparse(folder, model)
+    except Exception as e:  # truncated or foreign file: say which, and how to recover
+        raise ValueError(
+            f"{folder} is not a readable checkpoint of this model ({e}); delete that folder to retrain the "
+            "replica, or use a fresh --output_dir"
+        ) from e
+    params = dict(model.named_parameters())
+    revived = [n for n, m in (masks or {}).items() if bool((params[n].detach()[~m.to(params[n].device)] != 0).any())]
+    if revived:  # a checkpoint trained under another mask (copied in from elsewhere)
+        raise ValueError(
+            f"{folder} holds weights where this phase's mask prunes them (e.g. {revived[:3]}): it was trained "
+            "under another mask. Delete that folder to retrain the replica, or use a fresh --output_dir"
+        )
+    return model.train()
 
 
 def release_memory() -> None:

@@ -28,6 +28,7 @@ from ..pruning.masks import PruningStep
 from ..seeding import derive_seed
 from ..soup.method import SoupMethod, indicator_weights
 from ..soup.soup import soup
+from .replica_training import Parked, load_replica, park
 from .schedule import job_steps, place
 
 logger = logging.getLogger("hf_sms")
@@ -87,7 +88,8 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
         with world.assigned(groups):
             pruned.append(None if isinstance(spec, TrackJob) else _prune(ctx, spec, held))
     trained, records = {}, []
-    for folder in sorted(mine, key=lambda f: (planned[f], -costs[f])):  # every group in the planned order
+    order = sorted(mine, key=lambda f: (planned[f], -costs[f]))  # every group in the planned order
+    for k, folder in enumerate(order):
         s, i = jobs[folder]
         spec = specs[s]
         resumed = any(os.path.isfile(os.path.join(ctx.run_dir.path(folder), f)) for f in (SPARSITY_NAME, REPLICA_STATE))
@@ -111,7 +113,11 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
                     keep_adapters=spec.shared and spec.soup is not None,
                     **spec.trainer_kwargs(i),
                 )
-                model = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
+                if _parks(ctx, spec, i, placed[folder], later=order[k + 1 :]):
+                    del model  # its folder holds it, bit for bit: on disk while the next replica trains
+                    model = park(starts[i], ctx.run_dir.path(folder))
+                else:
+                    model = ctx.recalibrate(model, world.group)  # the processes holding replica i share the pass
         if placed[folder][0] == world.group_index:
             trained[folder] = model
         records.append(
@@ -121,6 +127,9 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
     world.wait()  # a group that is done waits for the others, however long they train
     records.append(_record("wait", t0, ctx))
     ctx.recorder.jobs(records)
+    for folder, model in trained.items():  # back in memory for the soup, one at a time
+        if isinstance(model, Parked):
+            trained[folder] = ctx.recalibrate(load_replica(model.start, model.folder), world.group)
     trained_s, results = time.perf_counter() - start, []
     for s, spec in enumerate(specs):
         t0 = time.perf_counter()
@@ -225,6 +234,14 @@ def _pair_soups(ctx, spec: PhaseSpec, make) -> list[dict] | None:
         out.append({"pair": list(pair), "val": val, "test": ctx.recorder.test_scores(model, shared=True)["test"]})
     ctx.pair_soups[spec.folder] = out
     return out
+
+
+def _parks(ctx, spec, i: int, groups: list[int], later: list[str]) -> bool:
+    """Whether a full replica this process just trained waits for its soup on disk instead of in memory: it does
+    when this process trains another job after it (the soup would otherwise hold every finished replica beside the
+    one in training) and wrote the folder itself (a group of one)."""
+    full = not isinstance(spec, TrackJob) and kind_of(spec.hparams[i]).full
+    return full and bool(later) and len(groups) == 1 and ctx.world.group_size == 1
 
 
 def _record(kind: str, t0: float, ctx, **extra) -> dict:

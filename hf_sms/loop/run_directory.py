@@ -85,7 +85,7 @@ def _update(h, value) -> None:
     if torch.is_tensor(value):
         t = value.detach().cpu().contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # the buffer itself: no copy
     elif isinstance(value, np.ndarray):
         _update(h, torch.from_numpy(np.ascontiguousarray(value)))
     elif isinstance(value, dict):

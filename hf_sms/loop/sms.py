@@ -17,7 +17,7 @@ from transformers import default_data_collator
 from ..adapters.replica import kind_of
 from ..arguments import departures
 from ..batchnorm import has_batchnorm
-from ..checkpoint import load_sparse, save_sparse
+from ..checkpoint import save_sparse
 from ..checkpoint.constants import FINAL_SOUP, RESULTS_FILE, SPARSITY_NAME
 from ..config import SparseSoupConfig
 from ..data import split_validation
@@ -37,7 +37,7 @@ from .distributed import ReplicaWorld
 from .final_soup import other_batches, save_final_soup
 from .launcher import restore_launcher_env
 from .recorder import Recorder
-from .replica_training import fit, train_subset
+from .replica_training import fit, load_replica, train_subset
 from .rounds import drive, run_round
 from .run_directory import RunDirectory, run_fingerprint
 from .soup_fit import split_fit_data
@@ -289,24 +289,10 @@ class SparseModelSoup:
         folder = self.run_dir.path(name)
         if not kind_of(args).full:
             return train_subset(self, start, step, args, name, keep_adapters, callbacks, **trainer_kwargs)
-        model = copy.deepcopy(start)
         if os.path.isfile(os.path.join(folder, SPARSITY_NAME)):  # written last: the replica is complete
             logger.info("[hf-sms] %s: finished earlier, loading %s", name, folder)
-            try:
-                load_sparse(folder, model)
-            except Exception as e:  # truncated or foreign file: say which, and how to recover
-                raise ValueError(
-                    f"{folder} is not a readable checkpoint of this model ({e}); delete that folder to retrain the "
-                    "replica, or use a fresh --output_dir"
-                ) from e
-            params, masks = dict(model.named_parameters()), step.masks if check_mask else {}
-            revived = [n for n, m in masks.items() if bool((params[n].detach()[~m.to(params[n].device)] != 0).any())]
-            if revived:  # a checkpoint trained under another mask (copied in from elsewhere)
-                raise ValueError(
-                    f"{folder} holds weights where this phase's mask prunes them (e.g. {revived[:3]}): it was trained "
-                    "under another mask. Delete that folder to retrain the replica, or use a fresh --output_dir"
-                )
-            return model.train()
+            return load_replica(start, folder, step.masks if check_mask else None)
+        model = copy.deepcopy(start)
         fit(self, model, step, args, folder, callbacks, **trainer_kwargs)
         if self.world.is_group_main:
             save_sparse(model, folder, processing_class=self.processing_class)  # atomic, sparsity.json last

@@ -42,7 +42,7 @@ class FeedbackMasking(MaskingPolicy):
     def sparsity(self) -> float:
         """The mask's sparsity (the dense weights have no zeros to count)."""
         masks = self.enforcer.masks.values()
-        return sum(int((~m).sum()) for m in masks) / max(sum(m.numel() for m in masks), 1)
+        return sum(m.numel() - int(torch.count_nonzero(m)) for m in masks) / max(sum(m.numel() for m in masks), 1)
 
 
 class DynamicPruning(GradualPruning):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from transformers import TrainerCallback
 
 from ..phase import PhaseSpec, phase_folder
@@ -164,7 +165,8 @@ class GradualPruning(TrainerCallback):
         offset, total = self._window(state)
         allowed = sparsity_at(offset + state.global_step, total, self.n_steps, self.target)
         masks = self.trainer.masks
-        pruned, numel = sum(int((~m).sum()) for m in masks.values()), sum(m.numel() for m in masks.values())
+        numel = sum(m.numel() for m in masks.values())
+        pruned = numel - sum(int(torch.count_nonzero(m)) for m in masks.values())
         slack = self.plan.rounding(self.trainer.model, masks, self.example_inputs)
         if pruned > round(allowed * numel) + slack:
             raise ValueError(

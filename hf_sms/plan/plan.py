@@ -58,11 +58,16 @@ class PruningPlan:
         if example_inputs is not None:
             uses = call_order_uses(model, example_inputs)
             tensors = [replace(t, uses=tuple(uses.get(id(t.param), ()))) for t in tensors]
-        current = {t.name: torch.ones_like(t.param, dtype=torch.bool) for t in tensors}
-        current.update({n: m.to(current[n].device) for n, m in (masks or {}).items()})
-        # the weights themselves where nothing is pruned yet (criteria never write to them): no copy of the model
+        given = masks or {}
+        current = {
+            t.name: given[t.name].to(t.param.device) if t.name in given else torch.ones_like(t.param, dtype=torch.bool)
+            for t in tensors
+        }
+        # the weights themselves where their pruned entries are zero already (criteria never write to them): no copy
         weights = {
-            t.name: t.param.detach().float() * current[t.name] if t.name in (masks or {}) else t.param.detach().float()
+            t.name: t.param.detach().float()
+            if t.name not in given or _zero_where_pruned(t.param, current[t.name])
+            else t.param.detach().float() * current[t.name]
             for t in tensors
         }
         context = CriterionContext(model, example_inputs, self.seed)
@@ -116,6 +121,13 @@ class PruningPlan:
     def timed(self, model: nn.Module, example_inputs) -> dict:
         """``model`` timed dense against its sparse runtime or its smaller model, on the device it is on."""
         return self.structure.timed(model, example_inputs)
+
+
+@torch.no_grad()
+def _zero_where_pruned(weight: torch.Tensor, keep: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """Whether ``weight`` is exactly zero wherever ``keep`` is False (a chunk at a time: no copy of the weight)."""
+    w, k = weight.detach().reshape(-1), keep.reshape(-1)
+    return not any(bool(w[i : i + chunk].masked_select(~k[i : i + chunk]).any()) for i in range(0, w.numel(), chunk))
 
 
 def resolve_pruning(

@@ -19,7 +19,7 @@ import torch
 
 from ..registry import ALLOCATIONS
 from .prunable import Masks, PrunableTensor, first_use, last_use
-from .select import top_k
+from .select import ElementwiseScores, top_k
 
 Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
 register_allocation = ALLOCATIONS.register
@@ -45,13 +45,15 @@ def _n_keep(numel: int, sparsity: float, alive: int) -> int:
 
 
 def _global_top(tensors, scores: dict[str, torch.Tensor], masks: Masks, sparsity: float) -> Masks:
-    if all(scores[t.name].dtype != torch.float64 for t in tensors):  # no concatenated copy (pruning/select.py)
+    # an elementwise criterion's scores computed chunk by chunk from the weights, never all at once
+    lazy = isinstance(scores, ElementwiseScores)
+    given = [(scores.weights if lazy else scores)[t.name] for t in tensors]
+    if all(s.dtype != torch.float64 for s in given):  # no concatenated copy (pruning/select.py)
         numel = sum(t.param.numel() for t in tensors)
         alive = sum(int(torch.count_nonzero(masks[t.name])) for t in tensors)  # a bool sum() upcasts to int64
         n_keep = _n_keep(numel, sparsity, alive)
-        kept = top_k(
-            [scores[t.name] for t in tensors], [masks[t.name].to(scores[t.name].device) for t in tensors], n_keep
-        )
+        on = [masks[t.name].to(s.device) for t, s in zip(tensors, given)]
+        kept = top_k(given, on, n_keep, transform=scores.fn if lazy else None)
         return {t.name: keep.to(masks[t.name].device) for t, keep in zip(tensors, kept)}
     flat = torch.cat([_masked_scores(scores[t.name], masks[t.name]).reshape(-1) for t in tensors])
     alive = int(sum(int(masks[t.name].sum()) for t in tensors))

@@ -162,7 +162,7 @@ class MaskingPolicy:
     def sparsity(self) -> float:
         """Fraction of the masked weights that are exactly zero."""
         params = self.enforcer.all_params
-        counts = [(p == 0).sum() for p in params]
+        counts = [(p == 0).sum() if is_sharded(p) else p.numel() - torch.count_nonzero(p) for p in params]
         # FSDP2: each process counts its shard; the sum over processes (every process logs, in step) is the model's
         zeros = sum(int(c.full_tensor() if is_sharded(c) else c) for c in counts)
         return zeros / max(sum(p.numel() for p in params), 1)

@@ -80,15 +80,15 @@ def sparsity_report(model: nn.Module, masks: Masks | None = None) -> dict:
     """
     per_tensor, zeros, numel = {}, 0, 0
     for t in prunable_tensors(model):
-        z = int((t.param == 0).sum())
+        z = t.param.numel() - int(torch.count_nonzero(t.param))  # no int64 copy, as (x == 0).sum() makes
         per_tensor[t.name] = {"sparsity": z / t.param.numel(), "zeros": z, "numel": t.param.numel()}
         zeros, numel = zeros + z, numel + t.param.numel()
     report = {"sparsity": zeros / max(numel, 1), "zeros": zeros, "numel": numel, "per_tensor": per_tensor}
     all_params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() for p in all_params)
-    report["model_sparsity"] = sum(int((p == 0).sum()) for p in all_params) / max(total, 1)
+    report["model_sparsity"] = 1 - sum(int(torch.count_nonzero(p)) for p in all_params) / max(total, 1)
     if masks is not None:
-        pruned = sum(int((~m).sum()) for m in masks.values())
+        pruned = sum(m.numel() - int(torch.count_nonzero(m)) for m in masks.values())
         report["mask_sparsity"] = pruned / max(sum(m.numel() for m in masks.values()), 1)
     return report
 
@@ -115,11 +115,20 @@ def pruned_norm_fraction(model: nn.Module, masks: Masks) -> float:
     Norms run over all parameters (weights and biases); ``model`` is the model before pruning.
     """
     tensors = validate_masks(model, masks)
-    total = sum(float(p.detach().float().pow(2).sum()) for p in {id(p): p for p in model.parameters()}.values())
-    removed = sum(
-        float(tensors[n].param.detach().float().pow(2)[~m.to(tensors[n].param.device)].sum()) for n, m in masks.items()
-    )
+    total = sum(_squares(p) for p in {id(p): p for p in model.parameters()}.values())
+    removed = sum(_squares(tensors[n].param, m) for n, m in masks.items())
     return math.sqrt(removed) / math.sqrt(total) if total > 0 else 0.0
+
+
+def _squares(weight: torch.Tensor, keep: torch.Tensor | None = None, chunk: int = 1 << 20) -> float:
+    """The sum of squares of ``weight`` (where ``keep`` is False, if given), in float64 a chunk at a time."""
+    w = weight.detach().reshape(-1)
+    k = keep.to(weight.device).reshape(-1) if keep is not None else None
+    total = 0.0
+    for i in range(0, w.numel(), chunk):
+        part = w[i : i + chunk].double().square_()
+        total += float((part.masked_fill_(k[i : i + chunk], 0) if k is not None else part).sum())
+    return total
 
 
 @dataclass

@@ -9,11 +9,29 @@ tensors in order).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 CHUNK = 1 << 20  # elements per histogram step: 8 MiB of int64 keys
+
+
+class ElementwiseScores(Mapping):
+    """Scores that are an elementwise function of the weights (``|w|``, ``w**2``): ``{name: fn(weights[name])}``,
+    each computed when asked for. A global top-k (:func:`top_k` with ``transform=fn``) computes them chunk by chunk
+    from the weights and never holds them all: the scores of a large model are a model's worth of memory."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]):
+        self.weights, self.fn = weights, fn
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.fn(self.weights[name])
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 def _keys(scores: torch.Tensor) -> torch.Tensor:
@@ -22,18 +40,22 @@ def _keys(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(raw < 0, raw ^ 0x7FFFFFFF, raw) + (1 << 31)
 
 
-def _chunks(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, int]]:
+def _chunks(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], transform=None) -> Iterator[tuple]:
     """``(tensor index, keys of one chunk, chunk start)``; pruned entries (mask False) get the lowest key."""
     for i, (s, m) in enumerate(zip(scores, masks)):
         flat, keep = s.reshape(-1), m.reshape(-1)
         for start in range(0, flat.numel(), CHUNK):
-            part = flat[start : start + CHUNK].masked_fill(~keep[start : start + CHUNK], -torch.inf)
+            part = flat[start : start + CHUNK]
+            part = (transform(part) if transform is not None else part).masked_fill(
+                ~keep[start : start + CHUNK], -torch.inf
+            )
             yield i, _keys(part), start
 
 
-def top_k(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int) -> list[torch.Tensor]:
+def top_k(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int, transform=None) -> list[torch.Tensor]:
     """Bool masks keeping exactly the ``k`` largest scores over all tensors (float32 or narrower; entries whose mask
-    is False rank lowest), ties broken by position with the tensors in order."""
+    is False rank lowest), ties broken by position with the tensors in order. ``transform``: the scores are
+    ``transform(scores)``, applied chunk by chunk (:class:`ElementwiseScores`: ``scores`` are then the weights)."""
     out = [torch.zeros(s.numel(), dtype=torch.bool, device=s.device) for s in scores]
     total = sum(s.numel() for s in scores)
     if k >= total:
@@ -41,7 +63,7 @@ def top_k(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int)
     prefix, need = 0, k  # among keys that start with ``prefix``, the ``need`` largest are still to keep
     for shift in (24, 16, 8, 0):
         hist = torch.zeros(256, dtype=torch.int64, device=scores[0].device)
-        for _, keys, _ in _chunks(scores, masks) if k > 0 else ():
+        for _, keys, _ in _chunks(scores, masks, transform) if k > 0 else ():
             if shift < 24:
                 keys = keys[(keys >> (shift + 8)) == prefix]
             hist += torch.bincount((keys >> shift) & 0xFF, minlength=256)
@@ -50,7 +72,7 @@ def top_k(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int)
         need -= int(above[d + 1]) if d < 255 else 0  # those with a larger digit are all kept
         prefix = prefix * 256 + d
     ties = need
-    for i, keys, start in _chunks(scores, masks) if k > 0 else ():
+    for i, keys, start in _chunks(scores, masks, transform) if k > 0 else ():
         keep = keys > prefix
         if ties > 0:
             equal = (keys == prefix).nonzero().reshape(-1)[:ties]

@@ -35,9 +35,12 @@ class LocalWorld:
     def wait(self) -> None:
         pass
 
-    def average(self, local: dict[int, StateDict], weights: Sequence[float], template: StateDict) -> StateDict:
+    def average(self, local: dict[int, StateDict], weights: Sequence[float], template: StateDict, into=None):
         used = [i for i, w in enumerate(weights) if w]
-        return average_state_dicts([local[i] for i in used], [weights[i] for i in used])
+        out = average_state_dicts([local[i] for i in used], [weights[i] for i in used])
+        for k, v in out.items() if into is not None else ():
+            into[k].copy_(v)
+        return out
 
     def all_candidates(self, local: dict[int, StateDict], n: int, template: StateDict) -> dict[int, StateDict]:
         return dict(local)
@@ -66,9 +69,8 @@ def check_same_masks(models: Sequence[nn.Module]) -> Masks:
     """The shared mask of ``models``; raises if any prunable tensor's zero pattern differs."""
     ref = masks_from_model(models[0])
     for i, model in enumerate(models[1:], 1):
-        other = masks_from_model(model)
-        for name, mask in ref.items():
-            differ = int((mask != other[name]).sum())
+        for name, mask in ref.items():  # one tensor at a time: no second set of masks
+            differ = int(torch.count_nonzero(mask != (model.get_parameter(name).detach() != 0)))
             if differ:
                 raise ValueError(
                     f"model {i} and model 0 have different masks ({differ} entries of {name!r} differ), so their "
@@ -79,8 +81,6 @@ def check_same_masks(models: Sequence[nn.Module]) -> Masks:
 
 
 def _combined(method: SoupMethod, world, local, weights, template: StateDict, base: StateDict | None, **seen):
-    if method.combine is None and seen["mixing"] is None:
-        return world.average(local, weights, template)
     every = seen["every"] or world.all_candidates(local, len(weights), template)
     used = [i for i, w in enumerate(weights) if w]
     if seen["mixing"] is not None:  # a learned soup: each parameter its own weights, buffers the plain mean
@@ -191,6 +191,8 @@ def soup(
         if spec.superpose is not None:
             every = seen["every"] = seen["every"] or world.all_candidates(state, n, reference)
             _superpose(spec, model, every, weights, seen["options"], lambda m: reprune(m, sparsity), world)
+        elif spec.combine is None and seen["mixing"] is None:  # the weighted mean, written into the copy's tensors
+            world.average(state, weights, reference, into=model.state_dict())
         else:
             model.load_state_dict(_combined(spec, world, state, weights, reference, base_state, **seen))
         if shared_mask is not None:

@@ -7,13 +7,16 @@ it), an alternative the paper did not use. Neurons and heads are scored by all t
 
 from __future__ import annotations
 
+import torch
+
+from ..select import ElementwiseScores
 from . import register_criterion
 
 
 @register_criterion("magnitude")
 def magnitude(tensors, weights, context):
     """``|w|`` (the paper's criterion); a unit's score is its L1 norm."""
-    return {n: w.abs() for n, w in weights.items()}
+    return ElementwiseScores(weights, torch.abs)  # each computed when needed: a global top-k never holds them all
 
 
 @register_criterion("l1")
@@ -26,7 +29,7 @@ def l1(tensors, weights, context):
 def l2(tensors, weights, context):
     """``w**2``: a unit's score is its squared L2 norm, which ranks units as the norm does (docs/method.md §11);
     the default for units (the paper: "we adopt the L2-norm criterion from Li et al.")."""
-    return {n: w.square() for n, w in weights.items()}
+    return ElementwiseScores(weights, torch.square)
 
 
 @register_criterion("l2_group", unit_score="group")
