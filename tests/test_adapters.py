@@ -262,6 +262,30 @@ def test_distances_from_trained_states_equal_those_of_the_merged_models():
         assert min(expected) > 0
 
 
+@pytest.mark.parametrize("kind", ["mask_lora", "bias_norm"])
+def test_a_subset_soup_shares_what_it_does_not_change_and_never_writes_the_start(kind):
+    """The soup of subset replicas costs the tensors it changes (the LoRA targets' weights; the biases and norms),
+    not a model: every other parameter shares the start's storage, and making the soup leaves the start as it was."""
+    model, masks = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = lora_args(kind)
+    replicas = [make_replica(model, args) for _ in range(2)]
+    for s, r in enumerate(replicas):
+        train_steps(r, seed=s)
+    states = [trained_state(r) for r in replicas]
+    soup = soup_of_states(model, states, [0.5, 0.5], args)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the start is untouched
+    start = dict(model.named_parameters())
+    changed = {n for n, p in soup.named_parameters() if not torch.equal(p, start[n])}
+    shared = {n for n, p in soup.named_parameters() if p.data_ptr() == start[n].data_ptr()}
+    assert changed and shared and not changed & shared
+    assert changed | shared == set(start)  # a parameter the soup did not change is not copied
+    if kind == "mask_lora":
+        assert "model.embed_tokens.weight" in shared and "model.layers.0.mlp.down_proj.weight" in changed
+    assert revived(soup, masks) == 0
+    assert all(p.requires_grad == start[n].requires_grad for n, p in soup.named_parameters())
+
+
 def test_save_adapter_writes_peft_format(tmp_path):
     model, _ = tiny_llama()
     replica = make_replica(model, lora_args("scale_lora"))

@@ -400,3 +400,47 @@ def test_pruning_step_from_prune_is_applied():
     assert isinstance(step, PruningStep)
     for t in prunable_tensors(net):
         assert (t.param[~step.masks[t.name]] == 0).all()
+
+
+# -- scores that are never all in memory ---------------------------------------------------------------
+@FAST
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    frac=st.floats(0.0, 1.0),
+    chunk=st.sampled_from([7, 64, 1 << 20]),
+    seed=st.integers(0, 2**16),
+    square=st.booleans(),
+)
+def test_elementwise_scores_select_what_materialized_scores_select(sizes, frac, chunk, seed, square):
+    """magnitude / l2 scores are computed chunk by chunk from the weights inside the global top-k: the kept set is
+    the one of the scores computed in full (ties included: rounded weights repeat values), across chunk edges."""
+    from unittest import mock
+
+    from hf_sms.pruning import select
+
+    g = torch.Generator().manual_seed(seed)
+    weights = [(torch.randn(n, generator=g) * 4).round() / 4 for n in sizes]
+    masks = [torch.rand(n, generator=g) > 0.3 for n in sizes]
+    fn = torch.square if square else torch.abs
+    k = round(frac * sum(int(m.sum()) for m in masks))
+    with mock.patch.object(select, "CHUNK", chunk):
+        lazy = select.top_k(weights, masks, k, transform=fn)
+        full = select.top_k([fn(w) for w in weights], masks, k)
+    assert all(torch.equal(a, b) for a, b in zip(lazy, full))
+    assert sum(int(m.sum()) for m in lazy) == k
+
+
+def test_masks_of_weights_alive_where_the_given_masks_prune_them():
+    """Given masks are honoured whether or not the model's pruned entries are zero already (the weights are then
+    used as they are, without a copy)."""
+    net = make_cnn()
+    first = compute_masks(net, 0.5, "global")
+    zeroed = make_cnn()
+    zeroed.load_state_dict(net.state_dict())
+    with torch.no_grad():
+        for name, m in first.items():
+            zeroed.get_parameter(name).mul_(m)
+    dense_then = compute_masks(net, 0.8, "global", masks=first)  # pruned entries still hold their values
+    zeroed_then = compute_masks(zeroed, 0.8, "global", masks=first)
+    assert all(torch.equal(dense_then[n], zeroed_then[n]) for n in first)
+    assert all(not (m & ~first[n]).any() for n, m in dense_then.items())  # masks only grow
