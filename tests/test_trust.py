@@ -569,7 +569,7 @@ def _claiming(values: torch.Tensor, positions, shape) -> torch.Tensor:
     payload = [np.packbits(unary, bitorder="little")] + [
         np.packbits((low >> j) & 1, bitorder="little") for j in range(k)
     ]
-    crc = zlib.crc32(codec._bytes_of(values))
+    crc = zlib.crc32(codec.bytes_of(values))
     for part in payload:
         crc = zlib.crc32(part, crc)
     head = codec.HEAD.pack(codec.MAGIC, codec.FORMAT_VERSION, codec.ELIAS_FANO, k, len(shape), len(pos), ubits, crc)

@@ -35,13 +35,14 @@ _INT_VIEW = {
 }
 
 
-def _bytes_of(t: torch.Tensor) -> np.ndarray:
+def bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as stored (a view where it is contiguous)."""
     return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def crc32(t: torch.Tensor) -> int:
     """CRC-32 of a CPU tensor's bytes, as stored."""
-    return zlib.crc32(_bytes_of(t.reshape(-1)) if t.numel() else b"")
+    return zlib.crc32(bytes_of(t.reshape(-1)) if t.numel() else b"")
 
 
 def _elias_fano_k(numel: int, nnz: int) -> tuple[int, int]:
@@ -70,6 +71,17 @@ def encode_tensor(tensor: torch.Tensor, codec: int | None = None) -> tuple[torch
     return encode(flat, (flat != 0).numpy(), tuple(tensor.shape), codec)
 
 
+def _kept(flat: torch.Tensor, keep: np.ndarray, nnz: int, chunk: int = 1 << 20) -> torch.Tensor:
+    """``flat[keep]`` in order, gathered a chunk at a time: indexing the whole tensor at once makes int64 positions
+    of every kept entry (twice the values' bytes in float32)."""
+    values, at, mask = torch.empty(nnz, dtype=flat.dtype), 0, torch.from_numpy(keep)
+    for i in range(0, flat.numel(), chunk):
+        part = flat[i : i + chunk][mask[i : i + chunk]]
+        values[at : at + part.numel()] = part
+        at += part.numel()
+    return values
+
+
 def encode(
     flat: torch.Tensor, keep: np.ndarray, shape: tuple[int, ...], codec: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,8 +97,7 @@ def encode(
         ``(values, index)`` as :func:`encode_tensor`.
     """
     numel, bpv = flat.numel(), flat.element_size()
-    pos = np.flatnonzero(keep)
-    nnz = len(pos)
+    nnz = int(np.count_nonzero(keep))  # the positions (8 bytes each) only where Elias-Fano stores them
     k, ubits = _elias_fano_k(numel, nnz) if nnz else (0, 0)
     sizes = {
         DENSE: numel * bpv,
@@ -97,16 +108,17 @@ def encode(
     if codec == DENSE:
         values, payload, k, ubits, nnz = flat.clone(), [], 0, 0, numel
     elif codec == BITMASK:
-        values, payload, k, ubits = flat[torch.from_numpy(pos)], [np.packbits(keep, bitorder="little")], 0, 0
+        values, payload, k, ubits = _kept(flat, keep, nnz), [np.packbits(keep, bitorder="little")], 0, 0
     else:
         # Elias-Fano: the i-th position p sets bit (p >> k) + i of the unary part; its k low bits are
         # stored in k bit-planes. Decoding is a nonzero scan, a subtraction and a shift.
+        pos = np.flatnonzero(keep)
         unary = np.zeros(ubits, dtype=bool)
         unary[(pos >> k) + np.arange(nnz)] = True
         low = (pos & ((1 << k) - 1)).astype(np.uint8 if k <= 8 else np.int64)
         planes = [np.packbits((low >> low.dtype.type(j)) & 1, bitorder="little") for j in range(k)]
-        values, payload = flat[torch.from_numpy(pos)], [np.packbits(unary, bitorder="little"), *planes]
-    crc = zlib.crc32(_bytes_of(values))
+        values, payload = _kept(flat, keep, nnz), [np.packbits(unary, bitorder="little"), *planes]
+    crc = zlib.crc32(bytes_of(values))
     for part in payload:
         crc = zlib.crc32(part, crc)
     head = HEAD.pack(MAGIC, FORMAT_VERSION, codec, k, len(shape), nnz, ubits, crc)
@@ -125,7 +137,7 @@ def verified(values: torch.Tensor, index: torch.Tensor, name: str) -> tuple[dict
     index; the positions are left encoded (see :func:`position_chunks`)."""
     head, payload = parse_index(index, name)
     values = values.detach().to("cpu").contiguous().reshape(-1)
-    check_values(head, payload, _bytes_of(values), values.numel(), values.dtype, name)
+    check_values(head, payload, bytes_of(values), values.numel(), values.dtype, name)
     return head, values, payload
 
 
@@ -194,7 +206,7 @@ def restamp_index(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``index`` re-stamped with the CRC of new ``values`` (same mask, e.g. after averaging)."""
     head, payload = parse_index(index, "merged tensor")
     out = index.clone().numpy()
-    crc = zlib.crc32(payload, zlib.crc32(_bytes_of(values)))
+    crc = zlib.crc32(payload, zlib.crc32(bytes_of(values)))
     out[CRC_AT : HEAD.size] = np.frombuffer(struct.pack("<I", crc), np.uint8)
     return torch.from_numpy(out)
 

@@ -263,7 +263,7 @@ def merge_checkpoints(
         weight = [w / sum(weights) for w in weights]
     with atomic_folder(output, "replace" if overwrite else "new") as tmp:
         # Step 2: average tensor by tensor, as hf_sms.soup.soup.average_state_dicts does (same kernel, same order)
-        writer = WeightsWriter(format)
+        writer = WeightsWriter(format, spool_dir=tmp)
         for name in ref.names():
             _merge_tensor(ckpts, name, weight, spec, writer, seen)
         stats = writer.save(os.path.join(tmp, WEIGHTS_NAME))

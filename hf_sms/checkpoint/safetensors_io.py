@@ -12,11 +12,12 @@ import json
 import math
 import mmap
 import os
+import struct
+import tempfile
 import zlib
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from . import codec
 from .constants import FORMAT_VERSION, INDEX_SUFFIX
@@ -37,6 +38,7 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def workers() -> int:
@@ -86,31 +88,44 @@ class SafetensorsFile(RawSafetensorsFile):
 
 
 class WeightsWriter:
-    """Collects the tensors of one weight file in a format, with the mask statistics of the eligible ones.
+    """Writes one weight file in a format, with the mask statistics of the eligible tensors.
 
-    In ``"bitmask"`` every eligible tensor ``W`` becomes ``W`` (its values) and ``W.sp_index``; in
-    ``"dense"`` tensors are stored as they are. Other tensors are always stored as they are.
+    Each tensor goes to a spool file (in ``spool_dir``, e.g. the folder being written) as it is added, and
+    :meth:`save` writes the safetensors header and copies the spooled bytes after it: writing a model's weights
+    holds one tensor at a time, never the file's worth (safetensors' own writer needs every tensor in memory at
+    once). The layout is safetensors' own: tensors ordered by dtype size, then name, with contiguous offsets.
     """
 
-    def __init__(self, fmt: str):
+    def __init__(self, fmt: str, spool_dir: str | None = None):
         self.fmt = fmt
-        self.tensors: dict[str, torch.Tensor] = {}
         self.stats = MaskStats()
+        self._spool = tempfile.TemporaryFile(dir=spool_dir)
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}  # dtype, shape, at, bytes
+        self._crcs: dict[str, int] = {}  # tensors stored as they are (an encoded tensor's index checks its values)
+
+    def _put(self, name: str, tensor: torch.Tensor, check: bool = False) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        data = codec.bytes_of(t)
+        self._entries[name] = (t.dtype, tuple(t.shape), self._spool.tell(), data.nbytes)
+        self._spool.write(data)
+        if check:
+            self._crcs[name] = zlib.crc32(data)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Add a dense tensor, encoding it if it is eligible and the format is bitmask."""
         t = tensor.detach().to("cpu").contiguous()
         if not eligible(name, t.shape, t.dtype):
-            self.tensors[name] = t
+            self._put(name, t, check=True)
             return
         flat = t.reshape(-1)
         keep = (flat != 0).numpy()
         if self.fmt == "bitmask":
             values, index = codec.encode(flat, keep, tuple(t.shape))
-            self.tensors[name], self.tensors[name + INDEX_SUFFIX] = values, index
+            self._put(name, values)
+            self._put(name + INDEX_SUFFIX, index)
             self.stats.add(name, keep, codec.index_info(index, name)["codec"], t.shape)
         else:
-            self.tensors[name] = t
+            self._put(name, t, check=True)
             self.stats.add(name, keep, "dense", t.shape)
 
     def add_encoded(self, name: str, values: torch.Tensor, index: torch.Tensor) -> None:
@@ -123,19 +138,35 @@ class WeightsWriter:
         """
         info = codec.index_info(index, name)
         if self.fmt == "bitmask":
-            self.tensors[name], self.tensors[name + INDEX_SUFFIX] = values, index
+            self._put(name, values)
+            self._put(name + INDEX_SUFFIX, index)
         else:
-            self.tensors[name] = codec.decode_tensor(values, index, name)
+            self._put(name, codec.decode_tensor(values, index, name), check=True)
         if eligible(name, info["shape"], values.dtype):
             mask = codec.stored_mask(values, index, name)
             self.stats.add(name, mask, info["codec"] if self.fmt == "bitmask" else "dense")
 
     def save(self, path: str) -> MaskStats:
-        """Write the collected tensors to ``path`` with a CRC-32 of each one stored as it is (biases, norms,
+        """Write the added tensors to ``path`` with a CRC-32 of each one stored as it is (biases, norms,
         BatchNorm statistics, dense weights; an encoded tensor's index checks its values); returns the mask
         statistics."""
-        encoded = {k[: -len(INDEX_SUFFIX)] for k in self.tensors if k.endswith(INDEX_SUFFIX)}
-        crcs = {k: codec.crc32(t) for k, t in self.tensors.items() if k not in encoded and not k.endswith(INDEX_SUFFIX)}
-        metadata = {"format": "pt", "hf_sms": f"{self.fmt}-v{FORMAT_VERSION}", CRC_KEY: json.dumps(crcs)}
-        save_file(self.tensors, path, metadata=metadata)
+        metadata = {"format": "pt", "hf_sms": f"{self.fmt}-v{FORMAT_VERSION}", CRC_KEY: json.dumps(self._crcs)}
+        order = sorted(self._entries, key=lambda k: (-self._entries[k][0].itemsize, k))
+        header, offset = {"__metadata__": metadata}, 0
+        for k in order:
+            dtype, shape, _, n = self._entries[k]
+            header[k] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for k in order:
+                _, _, at, n = self._entries[k]
+                self._spool.seek(at)
+                while n > 0:
+                    part = self._spool.read(min(n, 1 << 24))
+                    f.write(part)
+                    n -= len(part)
+        self._spool.close()
         return self.stats

@@ -44,7 +44,7 @@ def _store_weights(folder: str, fmt: str) -> tuple[MaskStats, dict[str, int]]:
             if eligible(name, t.shape, t.dtype):
                 stats.add(name, t != 0, "dense")
         return stats, crcs
-    writer = WeightsWriter(fmt)
+    writer = WeightsWriter(fmt, spool_dir=folder)  # spooled beside the file: one tensor in memory at a time
     for name, t in tensors:
         writer.add(name, t)
     with atomic_path(os.path.join(folder, WEIGHTS_NAME)) as new_path:
