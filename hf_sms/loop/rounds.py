@@ -28,7 +28,7 @@ from ..pruning.masks import PruningStep
 from ..seeding import derive_seed
 from ..soup.method import SoupMethod, indicator_weights
 from ..soup.soup import soup
-from .replica_training import Parked, load_replica, park
+from .replica_training import Parked, load_replica, park, release_memory
 from .schedule import job_steps, place
 
 logger = logging.getLogger("hf_sms")
@@ -87,6 +87,7 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
         held = [i for i in range(_replicas(spec)) if spec.replica_folder(i) in mine]
         with world.assigned(groups):
             pruned.append(None if isinstance(spec, TrackJob) else _prune(ctx, spec, held))
+    release_memory()  # the pruning's scores and work buffers, back to the system before the replicas train
     trained, records = {}, []
     order = sorted(mine, key=lambda f: (planned[f], -costs[f]))  # every group in the planned order
     for k, folder in enumerate(order):
