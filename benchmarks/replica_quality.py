@@ -17,6 +17,7 @@ import ast
 import glob
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -111,6 +112,7 @@ for sparsity in cli.sparsities:
             t0 = time.time()
             _, results = run_sms(dense, args, train, metric, eval_dataset=val, test_dataset=test)
             seconds = time.time() - t0
+            shutil.rmtree(args.output_dir, ignore_errors=True)  # a run's checkpoints: hundreds of MB each
             r = results["rows"]
             cells = [-r[m][-1]["test"] for m in ("sms_uniform", "best_candidate", "mean_candidate", "imp", "imp_mx")]
             rows.append({"sparsity": sparsity, "criterion": criterion, "replica_params": kind, "test_ppl": cells,
