@@ -19,6 +19,7 @@ import zlib
 import numpy as np
 import torch
 
+from ..atomic import atomic_write
 from . import codec
 from .constants import FORMAT_VERSION, INDEX_SUFFIX
 from .masks import MaskStats, eligible
@@ -93,7 +94,8 @@ class WeightsWriter:
     Each tensor goes to a spool file (in ``spool_dir``, e.g. the folder being written) as it is added, and
     :meth:`save` writes the safetensors header and copies the spooled bytes after it: writing a model's weights
     holds one tensor at a time, never the file's worth (safetensors' own writer needs every tensor in memory at
-    once). The layout is safetensors' own: tensors ordered by dtype size, then name, with contiguous offsets.
+    once). The layout is safetensors' own: tensors ordered by dtype size, then name, with contiguous offsets. The
+    spool needs the file's size in free disk until :meth:`save` has copied it.
     """
 
     def __init__(self, fmt: str, spool_dir: str | None = None):
@@ -159,7 +161,7 @@ class WeightsWriter:
             offset += n
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        with open(path, "wb") as f:
+        with atomic_write(path, "wb", encoding=None) as f:
             f.write(struct.pack("<Q", len(blob)) + blob)
             for k in order:
                 _, _, at, n = self._entries[k]
