@@ -227,6 +227,14 @@ class SparseSoupArguments:
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "Module names the adapters wrap (default: every prunable nn.Linear)."}
     )
+    replica_sharding: str = field(
+        default="none",
+        metadata={
+            "help": "none, or fsdp: on N = k * num_replicas processes (k >= 2), each replica trains sharded over its "
+            "group of k with FSDP2 (weights, gradients and optimizer state split k ways: a replica larger than one "
+            "device), instead of data-parallel; full replicas only (docs/parallel.md)."
+        },
+    )
     share_idle_groups: bool = field(
         default=False,
         metadata={

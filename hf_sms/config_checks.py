@@ -57,3 +57,11 @@ def check_lengths_and_ranges(a) -> None:
         )
     if a.retrain_schedule == "ft" and a.eta_min <= 0:
         raise ValueError("retrain_schedule='ft' trains at eta_min, which is 0 here: set pretrain_min_learning_rate")
+    if a.replica_sharding not in ("none", "fsdp"):
+        raise ValueError(f"replica_sharding={a.replica_sharding!r} is unknown; choose 'none' or 'fsdp'")
+    if a.replica_sharding == "fsdp" and (a.replica_params != "all" or a.pruning_method != "imp"):
+        raise ValueError(
+            "replica_sharding='fsdp' shards full replicas of IMP phases; adapter and bias_norm replicas are small "
+            "already, and GMP/DPF/BIMP prune inside training: use replica_params='all' and pruning_method='imp', "
+            "or replica_sharding='none'"
+        )

@@ -1,12 +1,15 @@
 """Replicas larger than one device: models sharded by torch's FSDP2 (``fully_shard``: every parameter a
 ``DTensor``). Masks are placed like their weights (:func:`hf_sms.pruning.masks.placed`, used by ``apply_masks`` and
 the trainer's :class:`~hf_sms.pruning.enforcement.MaskEnforcer`), soups are averaged shard by shard, and a soup is
-saved from its shards, one gathered tensor at a time (docs/parallel.md, "Sharded replicas").
+saved from its shards, one gathered tensor at a time (docs/parallel.md, "Sharded replicas"). In an SMS run,
+``replica_sharding="fsdp"`` shards each replica over its group's processes while it trains (:func:`shard_replica`)
+and gathers it back (:func:`unsharded`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,46 @@ from .soup.averaging import Accumulator
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_sharded(t) else t
+
+
+def _blocks(model: nn.Module) -> Iterator[nn.Module]:
+    """The units sharded one at a time: transformers' ``_no_split_modules`` classes (its decoder layers, T5Block),
+    else every member of an ``nn.ModuleList`` (timm's blocks, a plain model's layers); the root takes the rest."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if names and type(module).__name__ in names:
+            yield module
+        elif not names and isinstance(module, nn.ModuleList):
+            yield from (m for m in module if any(True for _ in m.parameters()))
+
+
+def shard_replica(model: nn.Module, group, device: str | torch.device) -> nn.Module:
+    """Shard ``model`` in place over the processes of ``group`` with FSDP2, block by block and then the root: its
+    weights, gradients and optimizer state are split over them, and a block is moved to ``device`` and cut there
+    one at a time (no device ever holds the whole model). Training then all-gathers a block for its forward and
+    backward and reduce-scatters its gradients, averaged over the group (data-parallel over it, as a group's
+    replica trains without sharding)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device_type=torch.device(device).type)
+    for block in list(_blocks(model)):
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@torch.no_grad()
+def unsharded(model: nn.Module, like: nn.Module) -> nn.Module:
+    """A plain copy of ``like`` (the replica's start: same architecture, on the device where the run keeps its
+    models) holding the tensors of the sharded ``model``, gathered one at a time. Every process of the group calls it
+    and gets the whole replica, which is then saved, scored and souped as any replica is."""
+    out = copy.deepcopy(like)
+    targets = out.state_dict()
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if is_sharded(t) else t
+        targets[name].copy_(full)
+        del full
+    return out.train(model.training)
 
 
 def local_state(model: nn.Module, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ from .checkpoint.trainer_masks import load_pruning_step, save_masks
 from .config_checks import LR_SCHEDULES
 from .families import family_of
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy, unwrap_optimizer
-from .pruning.masks import PruningStep, apply_masks, masks_from_model
+from .pruning.masks import PruningStep, apply_masks, is_sharded, masks_from_model
 from .pruning.prunable import Masks
 from .schedules import PRETRAIN_SHAPES, ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
 from .seeding import EpochShuffleSampler
@@ -171,6 +171,7 @@ class SparseSoupMixin:
         self.step_offset, self.total_steps = step_offset, total_steps
         self.pruning_step = step
         self.process_group = process_group
+        self._fsdp = isinstance(self.model, nn.Module) and any(is_sharded(p) for p in self.model.parameters())
         self.masking = masking if masking is not None else ExactMasking()
         if self.masking.zeroes_at_start:  # DPF keeps the dense values it was handed
             apply_masks(self.model, step.masks)
@@ -209,7 +210,7 @@ class SparseSoupMixin:
         with self.masking.forward_context():
             loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients:  # last micro-batch: mask before clipping and the step
-            if self.process_group is not None:
+            if self.process_group is not None and not self._fsdp:  # FSDP2 averaged them in its reduce-scatter
                 self._average_gradients_in_group()
             self.masking.before_step()
             self._masked_step = True

@@ -212,3 +212,23 @@ def test_three_processes_give_every_row_and_diagnostic_of_one(tmp_path):
     soups = [_soup(outs[n]) for n in (1, 3)]
     assert all(torch.equal(soups[0][k], soups[1][k]) for k in soups[0] if "running" in k)
     assert _max_diff(*soups) <= 1e-6
+
+
+@pytest.mark.slow  # 26 s; the LLaMA smoke run on 2 processes shards its replicas in CI (tests/test_smoke.py)
+def test_a_replica_sharded_over_its_group_trains_as_the_data_parallel_group(tmp_path):
+    """replica_sharding="fsdp", m = 1 on 2 processes: the replica (and IMP's) trains with each process holding
+    half of every parameter (FSDP2), and the run gives the soup and rows of the same group training data-parallel."""
+    outs = {mode: tmp_path / mode for mode in ("none", "fsdp")}
+    for mode, out in outs.items():
+        _run(_cmd(2, "sms_digits.py", out, "--replicas", "1", "--phases", "1", "--steps", "4", "--baselines", "imp",
+                  "--sharding", mode))  # fmt: skip
+    assert _max_diff(_soup(outs["fsdp"]), _soup(outs["none"])) <= 1e-6
+    par, seq = (json.loads((outs[m] / "results.json").read_text()) for m in ("fsdp", "none"))
+    assert untimed(par["rows"]) == untimed(seq["rows"]) and set(par["rows"]) >= {"sms_greedy", "imp"}
+    held = [
+        [json.loads(line) for line in (outs["fsdp"] / f"held-rank{r}.json").read_text().splitlines()] for r in (0, 1)
+    ]
+    assert len(held[0]) == len(held[1]) == 4 * 2  # 4 steps of SMS and of IMP, on both processes
+    for a, b in zip(*held):
+        assert a["sharded"] and b["sharded"] and a["held"] + b["held"] == a["of"] == b["of"]
+    assert not (outs["none"] / "held-rank0.json").exists()

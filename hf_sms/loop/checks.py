@@ -190,6 +190,12 @@ def check_world(args, world) -> None:
     """A replica data-parallel over a group of k processes keeps the run's batch, ``per_device_train_batch_size``
     (the paper's: replicas retrain at the pretraining batch), split k ways: it must divide."""
     k = world.group_size
+    if getattr(args, "replica_sharding", "none") == "fsdp" and k < 2:
+        raise ValueError(
+            f"replica_sharding='fsdp' shards each replica over its group of processes, but {world.size} process(es) "
+            f"for num_replicas={args.num_replicas} give groups of one: launch k * num_replicas processes with k >= 2 "
+            "(e.g. torchrun --nproc_per_node 2 with num_replicas=1), or set replica_sharding='none'"
+        )
     if k > 1 and args.per_device_train_batch_size % k:
         raise ValueError(
             f"each replica trains data-parallel over {k} processes at the run's batch per_device_train_batch_size="

@@ -19,16 +19,20 @@ from ..atomic import atomic_path
 from ..checkpoint import load_sparse
 from ..checkpoint.constants import REPLICA_STATE
 from ..checkpoint.folder import checkpoint_file
+from ..sharding import shard_replica, unsharded
 
 logger = logging.getLogger("hf_sms")
 
 
-def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), **trainer_kwargs) -> nn.Module:
-    """Train ``model`` in place under ``step.masks`` with the run's trainer class, its output in ``folder``."""
+def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), like=None, **trainer_kwargs) -> nn.Module:
+    """Train ``model`` under ``step.masks`` with the run's trainer class, its output in ``folder``; returns it
+    trained. With ``replica_sharding="fsdp"`` it trains sharded over its group and comes back a plain copy of
+    ``like`` (:mod:`hf_sms.sharding`), else it is trained in place."""
+    sharded = getattr(args, "replica_sharding", "none") == "fsdp" and ctx.world.subgroup is not None
     masks = step.masks.values()
     kept = sum(int(m.count_nonzero()) for m in masks) / max(sum(m.numel() for m in masks), 1)
     logger.info(
-        "[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s, params=%s, rank %d/%d)",
+        "[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s, params=%s, rank %d/%d%s)",
         os.path.relpath(folder, ctx.args.output_dir),
         1 - kept,
         args.seed,
@@ -38,17 +42,22 @@ def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), **trainer_
         getattr(args, "replica_params", "all"),
         ctx.world.rank,
         ctx.world.size,
+        f", sharded over {ctx.world.group_size} processes (FSDP2)" if sharded else "",
     )
     # only the final soup is pushed; a replica data-parallel over its group of k keeps the run's batch (the paper's)
     batch = args.per_device_train_batch_size // ctx.world.group_size
     args = dataclasses.replace(args, output_dir=folder, push_to_hub=False, per_device_train_batch_size=batch)
     group = {"process_group": ctx.world.subgroup} if ctx.world.subgroup is not None else {}
     kwargs = {**ctx.trainer_kwargs, "callbacks": ctx.trainer_kwargs["callbacks"] + list(callbacks)}
+    if sharded:  # FSDP2 averages the group's gradients itself (the trainer sees sharded parameters)
+        model = shard_replica(model, ctx.world.subgroup, ctx.world.device)
     trainer = ctx.trainer_class(
         model, args, masks=step, train_dataset=ctx.train_dataset, **group, **kwargs, **trainer_kwargs
     )
     trainer.train()
     del trainer
+    if sharded:
+        model = unsharded(model, like)
     release_memory()
     return model
 

@@ -292,8 +292,7 @@ class SparseModelSoup:
         if os.path.isfile(os.path.join(folder, SPARSITY_NAME)):  # written last: the replica is complete
             logger.info("[hf-sms] %s: finished earlier, loading %s", name, folder)
             return load_replica(start, folder, step.masks if check_mask else None)
-        model = copy.deepcopy(start)
-        fit(self, model, step, args, folder, callbacks, **trainer_kwargs)
+        model = fit(self, copy.deepcopy(start), step, args, folder, callbacks, like=start, **trainer_kwargs)
         if self.world.is_group_main:
             save_sparse(model, folder, processing_class=self.processing_class)  # atomic, sparsity.json last
         return model

@@ -5,10 +5,12 @@ Run it with ``torchrun --nproc_per_node N`` or plainly; the main process writes 
 
 import argparse
 import atexit
+import json
 import os
 
 import torch
 from safetensors.torch import save_file
+from transformers import TrainerCallback
 
 from hf_sms import SparseSoupConfig, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
@@ -27,6 +29,7 @@ parser.add_argument("--merge-methods", nargs="*", default=None, help="soup metho
 parser.add_argument("--share", action="store_true", help="share_idle_groups: a lone last job over idle groups")
 parser.add_argument("--replica-params", default="all", help="what a replica trains (all, bias_norm, mask_lora, ...)")
 parser.add_argument("--pairwise", action="store_true", help="pairwise_soups: score every pair's soup")
+parser.add_argument("--sharding", default="none", help="replica_sharding: none, or fsdp (a replica over its group)")
 parser.add_argument("--eval-copies", type=int, default=1, help="validation and test sets repeated (benchmarks)")
 cli = parser.parse_args()
 
@@ -59,6 +62,7 @@ args = SparseSoupConfig(
     replica_params=cli.replica_params,
     lora_rank=2,
     pairwise_soups=cli.pairwise,
+    replica_sharding=cli.sharding,
 )
 noisy = TensorDictDataset(
     test.x + 0.3 * torch.randn(test.x.shape, generator=torch.Generator().manual_seed(0)), test.labels
@@ -75,7 +79,23 @@ tests = {  # named test sets reach every row in the parallel path too
 exit_file = os.path.join(cli.output_dir, f"exit-rank{os.environ.get('RANK', 0)}.txt")
 atexit.register(lambda: open(exit_file, "w").write("open" if torch.distributed.is_initialized() else "closed"))
 rank = os.environ.get("RANK", "0")
-soup, results = run_sms(model, args, train, accuracy, eval_dataset=val, test_dataset=tests)
+
+
+class HeldByThisProcess(TrainerCallback):
+    """After each training step: the elements of the replica's parameters this process holds, of how many
+    (``--sharding fsdp``: a shard of each; OUT/held-rank{R}.json)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        params = list(model.parameters())
+        local = [p.to_local() if type(p).__name__ == "DTensor" else p for p in params]
+        sharded = all(type(p).__name__ == "DTensor" for p in params)
+        record = {"sharded": sharded, "held": sum(t.numel() for t in local), "of": sum(p.numel() for p in params)}
+        with open(os.path.join(cli.output_dir, f"held-rank{rank}.json"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+callbacks = [HeldByThisProcess()] if cli.sharding != "none" else None
+soup, results = run_sms(model, args, train, accuracy, eval_dataset=val, test_dataset=tests, callbacks=callbacks)
 with open(os.path.join(cli.output_dir, f"env-rank{rank}.txt"), "w") as f:  # the launcher's variables, back
     f.write(" ".join(f"{k}={os.environ.get(k)}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")))
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
