@@ -51,11 +51,12 @@ def shard_replica(model: nn.Module, group, device: str | torch.device) -> nn.Mod
 
 
 @torch.no_grad()
-def unsharded(model: nn.Module, like: nn.Module) -> nn.Module:
-    """A plain copy of ``like`` (the replica's start: same architecture, on the device where the run keeps its
-    models) holding the tensors of the sharded ``model``, gathered one at a time. Every process of the group calls it
-    and gets the whole replica, which is then saved, scored and souped as any replica is."""
-    out = copy.deepcopy(like)
+def unsharded(model: nn.Module, like: nn.Module, device: str | torch.device | None = None) -> nn.Module:
+    """A plain copy of ``like`` (the replica's start: the same architecture), on ``device`` (default: like's),
+    holding the tensors of the sharded ``model``, gathered one at a time. Every process of the group calls it and
+    gets the whole replica, which is then saved, scored and souped as any replica is: its weights must fit
+    ``device``, its training (gradients, optimizer state, activations) did not have to."""
+    out = copy.deepcopy(like).to(device) if device is not None else copy.deepcopy(like)
     targets = out.state_dict()
     for name, t in model.state_dict().items():
         full = t.full_tensor() if is_sharded(t) else t

@@ -106,6 +106,8 @@ def test_empty_or_missing_inputs_fail_before_training(tmp_path, digits, no_train
         ({"pretrain_epochs": -3}, "pretrain_epochs .* must be > 0"),
         ({"num_replicas": "2"}, "num_replicas must be an integer"),
         ({"merge_methods": []}, "must name each soup method once"),
+        ({"replica_sharding": "ddp"}, "replica_sharding='ddp' is unknown; choose 'none' or 'fsdp'"),
+        ({"replica_sharding": "fsdp", "replica_params": "mask_lora"}, "use replica_params='all'"),
     ],
 )
 def test_bad_config_fails_at_construction(tmp_path, fields, message):
@@ -233,3 +235,16 @@ def test_weights_that_no_forward_uses_are_warned_about_before_training(tmp_path,
     with caplog.at_level("WARNING", logger="hf_sms.loop.checks"):
         SparseModelSoup(_WithUnusedStage(), _args(tmp_path), data[:4], ClassificationAccuracy(), eval_dataset=data[4:])
     assert "144 prunable weights" in caplog.text and "unused.weight" in caplog.text, caplog.text
+
+
+def test_sharded_replicas_need_groups_of_several_processes(tmp_path):
+    """replica_sharding='fsdp' on groups of one (1 process, or N <= m) is refused before any work, saying what to
+    launch; groups of k >= 2 pass."""
+    from types import SimpleNamespace
+
+    from hf_sms.loop.checks import check_world
+
+    args = _args(tmp_path, replica_sharding="fsdp", num_replicas=2)
+    with pytest.raises(ValueError, match=r"groups of one: launch k \* num_replicas processes with k >= 2"):
+        check_world(args, SimpleNamespace(group_size=1, size=2))
+    check_world(args, SimpleNamespace(group_size=2, size=4))

@@ -55,9 +55,10 @@ def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), like=None,
         model, args, masks=step, train_dataset=ctx.train_dataset, **group, **kwargs, **trainer_kwargs
     )
     trainer.train()
+    device = trainer.args.device  # where a replica trained without sharding would now be
     del trainer
     if sharded:
-        model = unsharded(model, like)
+        model = unsharded(model, like, device)
     release_memory()
     return model
 
