@@ -24,15 +24,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
-def _blocks(model: nn.Module) -> Iterator[nn.Module]:
-    """The units sharded one at a time: transformers' ``_no_split_modules`` classes (its decoder layers, T5Block),
-    else every member of an ``nn.ModuleList`` (timm's blocks, a plain model's layers); the root takes the rest."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if names and type(module).__name__ in names:
-            yield module
-        elif not names and isinstance(module, nn.ModuleList):
-            yield from (m for m in module if any(True for _ in m.parameters()))
+def _blocks(module: nn.Module, names: frozenset[str]) -> Iterator[nn.Module]:
+    """The outermost units sharded one at a time: transformers' ``_no_split_modules`` classes (its decoder layers,
+    T5Block), else the members of every ``nn.ModuleList`` / ``nn.Sequential`` that hold parameters (timm's blocks,
+    a plain model's layers); the root takes the rest."""
+    for child in module.children():
+        container = isinstance(module, (nn.ModuleList, nn.Sequential))
+        if (type(child).__name__ in names) if names else container and any(True for _ in child.parameters()):
+            yield child
+        else:
+            yield from _blocks(child, names)
 
 
 def shard_replica(model: nn.Module, group, device: str | torch.device) -> nn.Module:
@@ -45,7 +46,7 @@ def shard_replica(model: nn.Module, group, device: str | torch.device) -> nn.Mod
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type=torch.device(device).type)
-    for block in list(_blocks(model)):
+    for block in list(_blocks(model, frozenset(getattr(model, "_no_split_modules", None) or ()))):
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 

@@ -63,3 +63,24 @@ def test_fsdp2_replicas_keep_the_mask_and_soup_as_one_process_does(tmp_path, opt
     found = masks_from_model(soup)
     assert all(torch.equal(found[k], masks[k]) for k in masks)  # the soup's zeros are exactly the mask
     assert not torch.equal(soup.state_dict()["head.weight"], pruned_start()[0].state_dict()["head.weight"])
+
+
+def test_replicas_are_sharded_block_by_block_outermost_first():
+    """The units a replica is sharded by (replica_sharding="fsdp"): a LLaMA's decoder layers (transformers'
+    _no_split_modules), timm's residual blocks (not the downsample inside one), a plain Sequential's layers."""
+    from conftest import make_resnet
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_sms.sharding import _blocks
+
+    def units(model):
+        names = frozenset(getattr(model, "_no_split_modules", None) or ())
+        found = {id(m) for m in _blocks(model, names)}
+        return [n for n, m in model.named_modules() if id(m) in found]
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    assert units(LlamaForCausalLM(config)) == ["model.layers.0", "model.layers.1"]
+    assert units(make_resnet()) == [f"layer{i}.0" for i in (1, 2, 3, 4)]
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    assert units(plain) == ["0", "2"]
