@@ -152,7 +152,7 @@ class SparseSoupMixin:
                     args.label_names = ["labels"]
         super().__init__(model=model, args=args, **kwargs)
         self.adapted = isinstance(self.model, nn.Module) and adapted(self.model)
-        if masks is None and self.adapted:  # LoRA on a pruned model: train under its zeros (prune before adapting)
+        if masks is None and self.adapted and own:  # the user's LoRA on a pruned model: train under its zeros
             step = PruningStep.measure(self.model, masks_from_model(self.model))
             logger.info("[hf-sms] the model holds adapters: training under its weights' zeros (no pruning here)")
         elif masks is None:

@@ -19,9 +19,18 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_sms import SparseSoupConfig, SparseSoupTrainer, apply_masks, compute_masks, load_sparse, run_sms
+from hf_sms import (
+    SparseSoupConfig,
+    SparseSoupTrainer,
+    apply_masks,
+    compute_masks,
+    load_sparse,
+    run_sms,
+    sparsity_report,
+)
 from hf_sms.adapters import merge_adapters
 from hf_sms.adapters.lora import _GatedLowRank
+from hf_sms.adapters.merge import plain_name
 from hf_sms.adapters.replica import (
     load_adapter,
     make_replica,
@@ -218,6 +227,24 @@ def test_replica_params_in_the_trainer_train_a_subset_and_save_an_adapter_that_l
     ids = torch.randint(1, 64, (2, 8))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, soup(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mask_lora", "scale_lora", "bias_norm"])
+def test_the_trainer_prunes_a_dense_model_before_training_its_subset(tmp_path, kind):
+    """SparseSoupTrainer(dense model, replica_params=K) with no masks prunes to target_sparsity first, as it does for
+    full training (it used to train MaskLoRA/ScaleLoRA under the dense model's zeros: 0% sparse); a LoRA the user
+    brings is trained under its own zeros instead (the test above)."""
+    model, _ = tiny_llama(sparsity=0.0)
+    rows, args = lm_rows(), lm_args(tmp_path, learning_rate=0.05, replica_params=kind, lora_rank=4, target_sparsity=0.5)
+    trainer = SparseSoupTrainer(model, args, train_dataset=rows)
+    masks = {plain_name(n): m for n, m in trainer.masks.items()}
+    kept = sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())
+    assert kept == pytest.approx(0.5, abs=1e-3)
+    trainer.train()
+    assert trainer.state.log_history[-1]["weight_sparsity"] == pytest.approx(0.5, abs=1e-3)
+    trainer.save_model()
+    soup = load_sparse(str(tmp_path / "out"))
+    assert revived(soup, masks) == 0 and sparsity_report(soup)["sparsity"] == pytest.approx(0.5, abs=1e-3)
 
 
 def test_bias_norm_replicas_train_biases_and_norms_only():
