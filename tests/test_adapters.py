@@ -140,9 +140,11 @@ def test_masked_and_scaled_lora_keep_every_zero(out_f, in_f, rank, sparsity, kin
         with torch.no_grad():  # the merge computes what training saw
             x = torch.randn(5, in_f).to(dtype)
             want = replica(x).float()
-            # bf16: the merged weights are rounded to bf16, the replica adds its fp32 update to the output
-            tol = 1e-5 if dtype == torch.float32 else 0.05 * (1 + float(want.abs().max()))
-            torch.testing.assert_close(merged(x).float(), want, atol=tol, rtol=1e-5 if dtype == torch.float32 else 0.05)
+            # bf16: the merged weights are rounded to bf16, the replica adds its fp32 update to the output; fp32: the
+            # merge rounds W + update once, the replica rounds x W and x update apart (a few ulps of the output)
+            scale = 1 + float(want.abs().max())
+            tol = 1e-5 * scale if dtype == torch.float32 else 0.05 * scale
+            torch.testing.assert_close(merged(x).float(), want, atol=tol, rtol=1e-4 if dtype == torch.float32 else 0.05)
         peft_merged = copy.deepcopy(replica)
         for layer in (m for m in peft_merged.modules() if hasattr(m, "lora_A")):
             layer.merge()  # peft's own merge goes through the variant
