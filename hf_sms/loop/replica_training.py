@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -100,6 +101,14 @@ def load_replica(start: nn.Module, folder: str, masks=None) -> nn.Module:
     return model.train()
 
 
+def is_on(model: nn.Module, device: torch.device) -> bool:
+    """Every parameter of ``model`` on ``device`` (``cuda`` without an index: any GPU)."""
+    return all(
+        p.device.type == device.type and (device.index is None or p.device.index == device.index)
+        for p in model.parameters()
+    )
+
+
 def release_memory() -> None:
     """Hand the memory a finished trainer freed (gradients, optimizer state, activations) back to the system:
     glibc keeps large freed blocks in its heap, so without this each replica's training leaves the process a
@@ -118,6 +127,8 @@ def train_subset(ctx, start, step, args, name: str, keep_adapters: bool, callbac
     made from the updates), else the merged plain model (IMP's next phase starts from it)."""
     folder = ctx.run_dir.path(name)
     path = os.path.join(folder, REPLICA_STATE)
+    if not is_on(start, ctx.device):  # moved in place, once: the phase's replicas then share its frozen weights
+        start.to(ctx.device)  # there (the trainer's move would give each replica, and so each candidate, its own copy)
     replica = make_replica(start, args)
     if os.path.isfile(path):
         logger.info("[hf-sms] %s: finished earlier, loading %s", name, path)

@@ -37,7 +37,7 @@ from .distributed import ReplicaWorld
 from .final_soup import other_batches, save_final_soup
 from .launcher import restore_launcher_env
 from .recorder import Recorder
-from .replica_training import fit, load_replica, train_subset
+from .replica_training import fit, is_on, load_replica, train_subset
 from .rounds import drive, run_round
 from .run_directory import RunDirectory, run_fingerprint
 from .soup_fit import split_fit_data
@@ -342,13 +342,15 @@ class SparseModelSoup:
             loader_kwargs=self.loader_kwargs,
         )
 
+    @property
+    def device(self) -> torch.device:
+        """The device the run trains on: this process's GPU under a launcher, else the arguments' device."""
+        return torch.device(self.world.device if self.world.size > 1 else self.args.device)
+
     def on_device(self, model: nn.Module) -> nn.Module:
         """``model`` on the device the run trains on (its soups are timed there, and the record says so): itself if
         it is there (timing copies it anyway), else a copy moved there."""
-        device = torch.device(self.world.device if self.world.size > 1 else self.args.device)
-        here = next(model.parameters()).device
-        same = here.type == device.type and (device.index is None or here.index == device.index)
-        return model if same else copy.deepcopy(model).to(device)
+        return model if is_on(model, self.device) else copy.deepcopy(model).to(self.device)
 
     @staticmethod
     def load(template: nn.Module, state_dict: dict) -> nn.Module:
