@@ -27,7 +27,7 @@ from hf_sms import SparseSoupConfig, run_sms
 from hf_sms.evaluation import ClassificationAccuracy
 
 kind, hidden, layers, steps, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-cuda = sys.argv[6] == "cuda"
+cuda, checkpointing = sys.argv[6] == "cuda", sys.argv[7] == "1"
 torch.manual_seed(0)
 torch.set_num_threads(2)
 config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
@@ -44,7 +44,7 @@ args = SparseSoupConfig(output_dir=tempfile.mkdtemp(), target_sparsity=0.5, n_ph
                         per_device_train_batch_size=4, per_device_eval_batch_size=8, learning_rate=1e-4,
                         optim="adamw_torch", disable_tqdm=True, report_to="none", seed=0,
                         replica_params=kind, measure_speedup=False, recalibrate_bn=False, retrain_schedule="llr",
-                        lora_rank=16, lora_alpha=32, use_cpu=not cuda, bf16=cuda)
+                        lora_rank=16, lora_alpha=32, use_cpu=not cuda, bf16=cuda, gradient_checkpointing=checkpointing)
 if cuda:
     torch.cuda.reset_peak_memory_stats()
 import time; t = time.perf_counter()
@@ -63,6 +63,7 @@ p.add_argument("--layers", type=int, default=8)
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--seq", type=int, default=64)
 p.add_argument("--device", default="cpu", help="cpu (resident memory) or cuda (peak CUDA memory, bf16)")
+p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in the backward")
 p.add_argument("--kinds", nargs="*", default=["all", "bias_norm", "mask_lora", "scale_lora"])
 cli = p.parse_args()
 env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
@@ -82,6 +83,7 @@ for _ in range(cli.rounds):
             str(cli.steps),
             str(cli.seq),
             cli.device,
+            str(int(cli.gradient_checkpointing)),
         ]
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
         runs[kind].append(json.loads(out.strip().splitlines()[-1]))
@@ -90,7 +92,8 @@ params = runs[cli.kinds[0]][0]["params"]
 model_bytes = 4 * params
 print(
     f"LLaMA-shaped classifier: {params / 1e6:.1f}M parameters ({model_bytes / 2**20:.0f} MiB fp32), m = 3, "
-    f"{cli.steps} steps per replica, {cli.rounds} rounds (median)"
+    f"{cli.steps} steps per replica, sequence {cli.seq}, {cli.rounds} rounds (median)"
+    + (", gradient checkpointing" if cli.gradient_checkpointing else "")
 )
 memory = "added RSS" if cli.device == "cpu" else "CUDA peak"
 print(f"{'replica_params':>14} {memory:>10} {'x model':>8} {'vs all':>7} {'seconds':>8}")
