@@ -214,7 +214,7 @@ def test_three_processes_give_every_row_and_diagnostic_of_one(tmp_path):
     assert _max_diff(*soups) <= 1e-6
 
 
-@pytest.mark.slow  # 26 s; the LLaMA smoke run on 2 processes shards its replicas in CI (tests/test_smoke.py)
+@pytest.mark.slow  # 26 s; the LLaMA smoke run on 2 processes shards its replicas in CI (tests/test_sharding.py)
 def test_a_replica_sharded_over_its_group_trains_as_the_data_parallel_group(tmp_path):
     """replica_sharding="fsdp", m = 1 on 2 processes: the replica (and IMP's) trains with each process holding
     half of every parameter (FSDP2), and the run gives the soup and rows of the same group training data-parallel."""

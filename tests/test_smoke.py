@@ -61,7 +61,6 @@ def _smoke(tmp_path, recipe, flags, nproc=1):
     command = (launcher if nproc > 1 else [sys.executable]) + script
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    (tmp_path / "stderr.txt").write_text(proc.stderr)  # hf-sms's log lines
     assert not list(scratch.glob("hf-sms-smoke-*")), "the smoke data outlived the run"
     return out, proc.stdout
 
@@ -142,25 +141,3 @@ def test_smoke_run_on_two_processes(smoke_runs, recipe):
 
         model = AutoModelForSeq2SeqLM.from_pretrained(runs[2] / "final_soup")
         assert hf_sms.sparsity_report(model)["sparsity"] == pytest.approx(0.5, abs=1e-3)
-
-
-def test_causal_lm_replica_sharded_over_two_processes(smoke_runs):
-    """--replica_sharding fsdp on a LLaMA (transformers' decoder layers sharded one by one, tied embeddings in the
-    root): every row equals the same group training data-parallel, and the soup loads with plain transformers."""
-    flags = ["--num_replicas", "1"]
-    runs = {
-        mode: smoke_runs("causal_lm", [*flags, "--replica_sharding", mode], nproc=2)[0] for mode in ("none", "fsdp")
-    }
-    plain, sharded = (json.loads((runs[m] / "results.json").read_text()) for m in ("none", "fsdp"))
-    assert untimed(sharded["rows"]) == untimed(plain["rows"]) and {"sms_uniform", "imp", "imp_mx"} <= set(
-        sharded["rows"]
-    )
-    logs = {m: (runs[m].parent / "stderr.txt").read_text() for m in runs}
-    assert logs["fsdp"].count("sharded over 2 processes (FSDP2)") == 3 * 2 * 2  # SMS, IMP, IMP_mx; 2 phases; 2 ranks
-    assert "FSDP2" not in logs["none"]
-    from transformers import AutoModelForCausalLM
-
-    import hf_sms
-
-    model = AutoModelForCausalLM.from_pretrained(runs["fsdp"] / "final_soup")
-    assert hf_sms.sparsity_report(model)["sparsity"] == pytest.approx(0.5, abs=1e-3)
