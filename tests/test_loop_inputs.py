@@ -248,3 +248,26 @@ def test_sharded_replicas_need_groups_of_several_processes(tmp_path):
     with pytest.raises(ValueError, match=r"groups of one: launch k \* num_replicas processes with k >= 2"):
         check_world(args, SimpleNamespace(group_size=1, size=2))
     check_world(args, SimpleNamespace(group_size=2, size=4))
+
+
+def test_the_unused_weight_check_forwards_one_example():
+    """Which weights a forward uses does not depend on the batch size; the graph of a whole long-sequence batch was
+    the peak of a subset replica's phase (benchmarks/replica_memory.py --seq 256). Dicts, tuples and tensors are cut
+    to their first example; what is not a batch dimension stays."""
+    from hf_sms.loop.checks import _first_example, warn_unused_weights
+
+    class Seen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.unused, self.sizes = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2), []
+
+        def forward(self, x):
+            self.sizes.append(x.shape[0])
+            return self.fc(x)
+
+    model = Seen()
+    assert warn_unused_weights(model, torch.randn(8, 4)) == ["unused.weight"] and model.sizes == [1]
+    batch = {"input_ids": torch.ones(8, 5), "scale": torch.tensor(2.0), "name": "x", "pair": (torch.ones(8), [1, 2])}
+    one = _first_example(batch)
+    assert one["input_ids"].shape == (1, 5) and one["scale"].shape == () and one["name"] == "x"
+    assert one["pair"][0].shape == (1,) and one["pair"][1] == [1, 2]

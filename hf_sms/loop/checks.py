@@ -92,6 +92,19 @@ def _outputs(out) -> list[torch.Tensor]:
     return [t for item in items for t in _outputs(item)]
 
 
+def _first_example(batch):
+    """``batch`` cut to its first example (still a batch): which weights a forward uses does not depend on how many
+    examples it sees, and the graph of one example holds 1 / B of the activations (batch 8 x 256 tokens: 2.5x a
+    110M LLaMA's bytes, more than a subset replica's whole phase; benchmarks/replica_memory.py)."""
+    if torch.is_tensor(batch):
+        return batch[:1] if batch.dim() > 0 else batch
+    if isinstance(batch, Mapping):
+        return {k: _first_example(v) for k, v in batch.items()}
+    if type(batch) in (tuple, list):
+        return type(batch)(_first_example(v) for v in batch)
+    return batch
+
+
 def warn_unused_weights(model, batch) -> list[str]:
     """Warn where prunable weights get no gradient from a forward on ``batch`` (in eval mode): they are pruned and
     counted in the sparsity like the others, which skews a global allocation and every reported sparsity. smp's
@@ -104,7 +117,7 @@ def warn_unused_weights(model, batch) -> list[str]:
     try:
         with torch.enable_grad(), unfused_attention():
             device = next(model.parameters()).device
-            out = forward_batch(model, batch, device, keep_labels=accepts_labels(model))
+            out = forward_batch(model, _first_example(batch), device, keep_labels=accepts_labels(model))
             loss = getattr(out, "loss", None)
             outputs = [loss] if torch.is_tensor(loss) and loss.requires_grad else _outputs(out)
             if not outputs:
