@@ -59,10 +59,8 @@ def unsharded(model: nn.Module, like: nn.Module, device: str | torch.device | No
     ``device``, its training (gradients, optimizer state, activations) did not have to."""
     out = copy.deepcopy(like).to(device) if device is not None else copy.deepcopy(like)
     targets = out.state_dict()
-    for name, t in model.state_dict().items():
-        full = t.full_tensor() if is_sharded(t) else t
+    for name, full in _gathered(model):
         targets[name].copy_(full)
-        del full
     return out.train(model.training)
 
 
@@ -104,13 +102,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full tensors of a sharded ``model`` on the CPU of process 0 (``None`` elsewhere), gathered one tensor at
     a time: a device never holds more than its shards and one full tensor. Every process of the mesh calls it."""
     main = not dist.is_initialized() or dist.get_rank() == 0
-    out = {}
-    for name, t in model.state_dict().items():
-        full = t.full_tensor() if is_sharded(t) else t
-        if main:
-            out[name] = full.detach().to("cpu", copy=True)
-        del full
+    out = {name: full.detach().to("cpu", copy=True) for name, full in _gathered(model) if main}
     return out if main else None
+
+
+def _gathered(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` of every tensor of ``model``, a sharded one gathered over its mesh when its turn comes
+    (every process of the mesh iterates it alike): one full tensor at a time."""
+    for name, t in model.state_dict().items():
+        yield name, t.full_tensor() if is_sharded(t) else t
 
 
 def save_sharded(model: nn.Module, directory: str, template: nn.Module, format: str = "bitmask", **kwargs) -> None:
