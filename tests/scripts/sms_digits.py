@@ -16,6 +16,7 @@ from hf_sms import SparseSoupConfig, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy, MeanOverSets, SubgroupRecall
+from hf_sms.pruning.masks import is_sharded
 
 parser = argparse.ArgumentParser()
 parser.add_argument("output_dir")
@@ -87,8 +88,8 @@ class HeldByThisProcess(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         params = list(model.parameters())
-        local = [p.to_local() if type(p).__name__ == "DTensor" else p for p in params]
-        sharded = all(type(p).__name__ == "DTensor" for p in params)
+        local = [p.to_local() if is_sharded(p) else p for p in params]
+        sharded = all(is_sharded(p) for p in params)
         record = {"sharded": sharded, "held": sum(t.numel() for t in local), "of": sum(p.numel() for p in params)}
         with open(os.path.join(cli.output_dir, f"held-rank{rank}.json"), "a") as f:
             f.write(json.dumps(record) + "\n")
