@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check on a lent GPU machine (H200, 2026-11-28: a 100 s, b 37 s, c 40 s, d over 100 s, e 9 s,
-# f 230 s; g, h, i not yet run on a GPU, 32, 11 and 12 s on this CPU: about 11 minutes, so a 15-minute lease runs it
-# once; pass the wanted steps first); record what it prints in docs/benchmarks.md ("GPU check"). On a CPU,
-# --dry-run runs tiny versions of every step (tests/test_gpu_check.py).
+# f 230 s; the others not yet timed on a GPU: a 15-minute lease runs about half, so pass the wanted steps first);
+# record what it prints in docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny versions of every step
+# (tests/test_gpu_check.py).
 #
 #   bash benchmarks/gpu_check.sh            # a CUDA GPU (compute capability >= 8.0 for the 2:4 rows)
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: checks that every step runs
@@ -22,14 +22,16 @@
 #     (g) BatchNorm recalibration behind dropout on 1, 2, 3 processes sharing the GPU: the same statistics (issue 37);
 #     (h) the learned soup's fit: peak CUDA memory against one training step (issue 38, target ratio <= 1);
 #     (i) SparseSoupTrainer under transformers' own `fsdp` arguments (FSDP2 through accelerate, GPU only): masks
-#     exact after training, save_model -> load_sparse, step time and peak memory with and without FSDP (issue 35).
+#     exact after training, save_model -> load_sparse, step time and peak memory with and without FSDP (issue 35);
+#     (fgc) (f) with gradient checkpointing; (j) tests/test_cuda.py: a model loaded on the CPU is pruned, trained,
+#     souped, recalibrated and scored on the GPU (SMS, the IMP baselines, SWAMP, GMP, a unit run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1 && shift
 STEPS=("$@")
-[[ ${#STEPS[@]} == 0 ]] && STEPS=(a b c d e f g h i)
+[[ ${#STEPS[@]} == 0 ]] && STEPS=(j f i h g a b c d e fgc)
 PY=${PYTHON:-python3}
 "$PY" - <<'EOF'
 import importlib, sys
@@ -99,10 +101,18 @@ step_e() {
 step_f() {
   echo "== (f) memory of one SMS phase by replica_params (m = 3), bf16 =="
   if [[ $DRY == 1 ]]; then
-    "$PY" benchmarks/replica_memory.py --rounds 1 --hidden 128 --layers 1 --steps 1 --seq 16 --gradient-checkpointing
+    "$PY" benchmarks/replica_memory.py --rounds 1 --hidden 128 --layers 1 --steps 1 --seq 16
   else
     "$PY" benchmarks/replica_memory.py --device cuda --rounds 1 --hidden 768 --layers 12 --steps 10 --seq 256
-    # the activations of 4 x 256 tokens are every kind's; recomputed in the backward, what the replica trains shows
+  fi
+}
+
+step_fgc() {
+  # the activations of 4 x 256 tokens are every kind's; recomputed in the backward, what the replica trains shows
+  echo "== (fgc) (f) with gradient checkpointing =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/replica_memory.py --rounds 1 --hidden 128 --layers 1 --steps 1 --seq 16 --gradient-checkpointing
+  else
     "$PY" benchmarks/replica_memory.py --device cuda --rounds 1 --hidden 768 --layers 12 --steps 10 --seq 256 \
       --gradient-checkpointing
   fi
@@ -135,8 +145,13 @@ step_i() {
   fi
 }
 
+step_j() {
+  echo "== (j) a model loaded on the CPU runs on the GPU =="
+  "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/test_cuda.py
+}
+
 # each step in its own `bash -e` (errexit holds inside it), at most STEP_TIMEOUT seconds (0: no limit)
-export -f step_a step_b step_c step_d step_e step_f step_g step_h step_i
+export -f step_a step_b step_c step_d step_e step_f step_fgc step_g step_h step_i step_j
 export DRY PY OUTDIR
 failed=()
 for step in "${STEPS[@]}"; do

@@ -46,6 +46,7 @@ def test_gpu_check_dry_run():
         "== (d)",
         "== (e)",
         "== (f)",
+        "== (fgc)",
         "== (g)",
         "3 processes vs 1, largest running-statistic difference 0\n",
         "== (h)",
@@ -54,6 +55,7 @@ def test_gpu_check_dry_run():
         "== (i)",
         "OK   masks exact after training",
         "OK   save_model -> load_sparse",
+        "== (j)",
         "gpu_check done",
     ):
         assert step in out

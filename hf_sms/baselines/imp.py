@@ -32,7 +32,7 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = 
     # several tracks: IMP-RePrune, their average re-pruned to the phase's sparsity (plain, CIA, CAA: as asked)
     reprunes = [b for b in REPRUNE_SOUPS if b in args.baselines] if n_tracks > 1 else []
     soups = [REPRUNE_SOUPS[b] for b in reprunes]
-    tracks = {i: copy.deepcopy(ctx.pretrained) for i in range(n_tracks)}
+    tracks = {i: ctx.copy_pretrained() for i in range(n_tracks)}
     masks: dict = {}
     for p, sparsity in enumerate(phases):
         hparams = [_hparams(args, name, p, i, times_m) for i in range(n_tracks)]
@@ -48,7 +48,7 @@ def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = 
             if i in result.candidates:
                 tracks[i], masks[i] = result.candidates[i], result.masks[i]
             else:
-                tracks[i], masks[i] = copy.deepcopy(ctx.pretrained), sent
+                tracks[i], masks[i] = ctx.copy_pretrained(), sent
                 tracks[i].load_state_dict(state)
         if p not in report:  # a sub-phase inside an SMS phase: no row
             continue
@@ -67,7 +67,7 @@ def _hparams(args, name: str, p: int, i: int, times_m: bool):
 def _whole_track(ctx, name: str, hparams: list, phases: list[float], report: dict[int, int], callbacks) -> list[dict]:
     """Every phase of one IMP track on this process group, as the phase step does it (prune its own model, retrain,
     recalibrate, score), each row measured by the group: what run_imp's phases give on one process."""
-    model, masks, rows, group = ctx.pretrained, None, [], ctx.world.group
+    model, masks, rows, group = ctx.copy_pretrained(), None, [], ctx.world.group
     for p, (sparsity, h) in enumerate(zip(phases, hparams)):
         start = copy.deepcopy(model)
         step = ctx.args.plan.prune(start, sparsity, masks, ctx.example)

@@ -6,7 +6,6 @@ has that mask exactly."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -60,7 +59,7 @@ def swamp(ctx):
     """SWAMP: each phase trains m particles from the phase's pruned start, each ending on its own SWA average, and
     continues from their uniform average (pruned at the next phase's start). Particles differ by their seed only
     (their own streams); the retraining schedule and length are the run's, as for every baseline here."""
-    a, model, masks = ctx.args, copy.deepcopy(ctx.pretrained), None
+    a, model, masks = ctx.args, ctx.copy_pretrained(), None
 
     def particle(i: int) -> dict:
         return {"callbacks": [EpochAverage()]}  # each particle its own average

@@ -197,7 +197,7 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
         return soup(
             candidates,
             method,
-            template=spec.start if spec.shared else ctx.pretrained,
+            template=spec.start if spec.shared else next(iter(spec.start.values())),  # on the run's device
             world=world,
             scores=val,
             evaluate=lambda m: ctx.recorder.evaluate(m, ctx.eval_dataset, shared=True),

@@ -168,7 +168,9 @@ class SparseModelSoup:
             self.world.barrier()  # every rank waits until the main process has checked the directory
             self.started = time.time()
             self.results["world"] = {"processes": self.world.size, "groups": self.world.n_groups, "jobs": []}
-            self.results["dense"] = self.recorder.measure(self.pretrained, shared=True)  # the paper's "unpruned"
+            dense = self.on_device(self.pretrained)  # the paper's "unpruned", scored where the run trains
+            self.results["dense"] = self.recorder.measure(dense, shared=True)
+            del dense
             if a.pruning_method != "imp":  # pruning during training: GMP, DPF, BIMP, each +SMS
                 self.final_soup = PRUNING_METHODS.get(a.pruning_method)(self)
             else:  # every trajectory and baseline is a track; tracks run beside each other on several groups
@@ -208,7 +210,7 @@ class SparseModelSoup:
         """Algorithm 1 with ``method`` as Merge: every phase starts from the previous phase's ``method`` soup. A
         track (:mod:`hf_sms.loop.rounds`): it yields each phase and receives what the phase gave."""
         a = self.args
-        model, masks = copy.deepcopy(self.pretrained), None
+        model, masks = self.copy_pretrained(), None
         for p, sparsity in enumerate(self.phases):
             # Phase 1 starts from the same pruned model in every trajectory: its replicas are trained once.
             folder = phase_folder("sms" if p == 0 or method == a.merge_methods[0] else f"sms-{method}", p)
@@ -303,7 +305,7 @@ class SparseModelSoup:
         """One run from ``start`` with no mask given and the original LR schedule (dense pretraining, or GMP/DPF
         pruning by callback), trained by replica 0's group (with ``share_idle_groups``: by every process,
         data-parallel) and then held by every process."""
-        world, model = self.world, {}
+        world, model, start = self.world, {}, self.on_device(start)  # its soup is built, scored there too
         groups = (
             list(range(world.n_groups))
             if args.share_idle_groups and not args.per_device_train_batch_size % world.size
@@ -346,6 +348,12 @@ class SparseModelSoup:
     def device(self) -> torch.device:
         """The device the run trains on: this process's GPU under a launcher, else the arguments' device."""
         return torch.device(self.world.device if self.world.size > 1 else self.args.device)
+
+    def copy_pretrained(self) -> nn.Module:
+        """A copy of the pretrained model on the device the run trains on. Every trajectory and baseline starts from
+        one, so its pruning, soups, BatchNorm recalibration and scoring run there too, not where the user's model
+        was loaded (the CPU, typically: a GPU run would score its soups on the CPU)."""
+        return copy.deepcopy(self.pretrained).to(self.device)
 
     def on_device(self, model: nn.Module) -> nn.Module:
         """``model`` on the device the run trains on (its soups are timed there, and the record says so): itself if

@@ -34,6 +34,8 @@ class MethodContext(Protocol):
     eval_dataset: object
     example: object  # one validation batch
 
+    def copy_pretrained(self) -> nn.Module: ...  # on the device the run trains on
+
     def run_phase(self, spec) -> object: ...  # a PhaseSpec -> PhaseResult (hf_sms.phase)
 
     def train_single(self, start: nn.Module, args, name: str, callbacks=(), total_steps=None, **trainer_kwargs): ...
