@@ -1,6 +1,7 @@
 """transformers' FSDP path with hf-sms's masks (issue 35 item 5): SparseSoupTrainer trained with the Trainer's own
 `fsdp` arguments (FSDP2 through accelerate, which enables it only on accelerators: this runs on a GPU), beside the
-same training without FSDP. Each check prints OK or FAIL and the script goes on, so one lease gives every answer:
+same training without FSDP. Each check prints OK or FAIL and the script goes on, so one lease gives every answer
+(it exits 1 if any failed):
 
 - the step time and peak CUDA memory with and without FSDP (bf16 autocast);
 - every pruned weight exactly zero after training, read from the full state dict accelerate gathers;
@@ -12,6 +13,7 @@ same training without FSDP. Each check prints OK or FAIL and the script goes on,
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
@@ -46,12 +48,16 @@ def model_and_masks():
     return model, compute_masks(model, 0.5)
 
 
+failed = []
+
+
 def check(name, fn):
     try:
         detail = fn()
         say(f"  OK   {name}{': ' + detail if detail else ''}")
     except Exception as e:  # noqa: BLE001 - report every check, whatever fails
         say(f"  FAIL {name}: {type(e).__name__}: {str(e)[:300]}")
+        failed.append(name)
 
 
 def run(fsdp: bool):
@@ -100,3 +106,4 @@ say(f"torch {torch.__version__}, LLaMA {cli.hidden}x{cli.layers}, {cli.steps} st
 run(fsdp=False)
 if not cli.no_fsdp:
     run(fsdp=True)
+sys.exit(1 if failed else 0)  # gpu_check names the step as failed

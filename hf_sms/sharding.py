@@ -113,6 +113,31 @@ def _gathered(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, t.full_tensor() if is_sharded(t) else t
 
 
+def full_model(model: nn.Module) -> nn.Module | None:
+    """``model`` itself where it is not sharded. A transformers model sharded by FSDP2 (transformers' ``fsdp``
+    arguments): on process 0 a plain model of its class, built on the ``meta`` device and given the full tensors
+    gathered one at a time (:func:`full_state_dict`, on the CPU), ties tied again; ``None`` on the others. Every
+    process calls it (``SparseSoupTrainer.save_model``)."""
+    if not any(is_sharded(p) for p in model.parameters()):
+        return model
+    from torch.distributed.fsdp import FSDPModule
+
+    plain = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the model's
+    if not hasattr(plain, "_from_config"):  # said on every process, before any of them gathers
+        raise ValueError(
+            f"a sharded {plain.__name__} cannot be rebuilt from a config: save it with hf_sms.sharding.save_sharded("
+            f"model, folder, template=<an unsharded {plain.__name__}, e.g. built on the meta device>)"
+        )
+    state = full_state_dict(model)
+    if state is None:
+        return None
+    with torch.device("meta"):
+        template = plain._from_config(model.config)
+    template.load_state_dict(state, assign=True)
+    template.tie_weights()
+    return template
+
+
 def save_sharded(model: nn.Module, directory: str, template: nn.Module, format: str = "bitmask", **kwargs) -> None:
     """Save a sharded ``model`` as a sparse checkpoint folder (:func:`hf_sms.save_sparse`): its tensors gathered
     to process 0's CPU one at a time (:func:`full_state_dict`), set into ``template`` (an unsharded model of the

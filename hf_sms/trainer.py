@@ -24,8 +24,8 @@ from .adapters.replica import ADAPTER_FOLDER, adapted, adapter_masks, kind_of, m
 from .arguments import as_sparse_arguments, sparse_config
 from .batchnorm import recalibrate_batchnorm
 from .checkpoint import save_sparse
-from .checkpoint.constants import CARD_NAME, MASKS_NAME
-from .checkpoint.trainer_card import merge_trainer_card
+from .checkpoint.constants import MASKS_NAME
+from .checkpoint.trainer_card import merge_trainer_card, read_card
 from .checkpoint.trainer_masks import load_pruning_step, save_masks
 from .config_checks import LR_SCHEDULES
 from .families import family_of
@@ -34,6 +34,7 @@ from .pruning.masks import PruningStep, apply_masks, is_sharded, masks_from_mode
 from .pruning.prunable import Masks
 from .schedules import PRETRAIN_SHAPES, ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
 from .seeding import EpochShuffleSampler
+from .sharding import full_model
 
 logger = logging.getLogger("hf_sms")
 
@@ -53,7 +54,11 @@ class _MaskCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        self.trainer.masking.start(optimizer)  # also cleans optimizer state restored on resume
+        trainer = self.trainer
+        if trainer.enforcer.replaced(trainer.model):  # FSDP2 sharded the model as training began: new parameters
+            trainer._bind(trainer.masks)
+            trainer._fsdp = any(is_sharded(p) for p in trainer.model.parameters())
+        trainer.masking.start(optimizer)  # also cleans optimizer state restored on resume
         if optimizer is not None:  # masks kept even where a subclass's training_step skips the mixin's
             self.hook = unwrap_optimizer(optimizer).register_step_pre_hook(self.trainer._before_optimizer_step)
 
@@ -65,13 +70,6 @@ class _MaskCallback(TrainerCallback):
         if getattr(self, "hook", None) is not None:
             self.hook.remove()
             self.hook = None
-
-
-def _read(path: str) -> str:
-    if not os.path.isfile(path):
-        return ""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
 
 
 def _shifted(lr_lambda, offset: int, step: int) -> float:
@@ -312,17 +310,19 @@ class SparseSoupMixin:
             super().save_model(output_dir, _internal_call)
         finally:
             self.args.push_to_hub = push
+        final = not _internal_call or self._pushing  # the final save: from_pretrained loads it after import hf_sms
+        model = full_model(self.model) if final else None  # sharded by FSDP2: gathered, every process takes part
         if self.args.should_save:
             folder = output_dir or self.args.output_dir
             save_masks(self.masks, folder, self.pruning_step)
-            if not _internal_call or self._pushing:  # the final save: from_pretrained loads it after import hf_sms
-                card = _read(os.path.join(folder, CARD_NAME))  # one create_model_card wrote before, if any
+            if final:
+                card = read_card(folder)  # one create_model_card wrote before, if any
                 if self.adapted:  # the merged sparse model, and the adapter in peft's format beside it
                     for name in ("adapter_config.json", "adapter_model.safetensors"):  # the Trainer's PeftModel save
                         if os.path.isfile(os.path.join(folder, name)):
                             os.remove(os.path.join(folder, name))
                     save_adapter(self.model, os.path.join(folder, ADAPTER_FOLDER))
-                model = merged_copy(self.model) if self.adapted else self.model
+                model = merged_copy(model) if self.adapted else model
                 save_sparse(model, folder, processing_class=self.processing_class)
                 merge_trainer_card(folder, card)
                 if self.args.plan.cuts_units:  # the run loop saves the smaller model; here it is one call away
@@ -353,7 +353,7 @@ class SparseSoupMixin:
         where the output folder holds a saved soup; ``push_to_hub`` uploads that."""
         super().create_model_card(*args, **kwargs)
         if self.is_world_process_zero():
-            merge_trainer_card(self.args.output_dir, _read(os.path.join(self.args.output_dir, CARD_NAME)))
+            merge_trainer_card(self.args.output_dir, read_card(self.args.output_dir))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         if resume_from_checkpoint is True:

@@ -112,3 +112,21 @@ def test_causal_lm_replica_sharded_over_two_processes(tmp_path):
     assert "FSDP2" not in logs["none"]
     model = AutoModelForCausalLM.from_pretrained(runs["fsdp"] / "final_soup")
     assert hf_sms.sparsity_report(model)["sparsity"] == pytest.approx(0.5, abs=1e-3)
+
+
+def test_the_trainer_binds_its_masks_again_when_the_model_is_sharded_as_training_starts(tmp_path):
+    """transformers' ``fsdp`` arguments: accelerate shards the model in place when training starts, after the trainer
+    bound its masks to the parameters it had; the masks must follow the new (DTensor) parameters, and save_model's
+    gathered plain model must hold the trained tensors (a GPU ran the real path: docs/benchmarks.md, step (i))."""
+    from transformers import LlamaForCausalLM
+
+    script = Path(__file__).parent / "scripts" / "trainer_sharded_late.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    checks = json.loads((tmp_path / "checks.json").read_text())
+    assert checks.pop("plain_class") == "LlamaForCausalLM"
+    assert all(checks.values()), checks
+    saved = load_sparse(str(tmp_path / "saved"))
+    assert isinstance(saved, LlamaForCausalLM) and saved.lm_head.weight is saved.model.embed_tokens.weight

@@ -14,6 +14,15 @@ TRAINER_MARK = "generated automatically according to the information the Trainer
 HEADING = "## Training (transformers' Trainer)"
 
 
+def read_card(folder: str) -> str:
+    """The model card in ``folder`` (transformers' ``create_model_card`` wrote it), or ``""``."""
+    path = os.path.join(folder, CARD_NAME)
+    if not os.path.isfile(path):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 def trainer_section(text: str) -> str | None:
     """The part of a card that transformers' Trainer wrote, under :data:`HEADING`; ``None`` if it wrote none."""
     if HEADING in text:  # a card merged before: its Trainer part as it is

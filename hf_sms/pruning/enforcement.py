@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .masks import is_sharded, placed, validate_masks
-from .prunable import Masks
+from .prunable import Masks, prunable_tensors
 
 
 class MaskEnforcer:
@@ -37,6 +37,13 @@ class MaskEnforcer:
         self._device_masks = [placed(masks[n], p, p.dtype) for n, p in zip(trained, self.params)]
         self._state_cache: tuple[int, int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._dense: list[torch.Tensor] | None = None  # DPF's copy of the dense values, reused every step
+
+    def replaced(self, model: nn.Module) -> bool:
+        """Whether ``model``'s weights are no longer the parameters bound here: accelerate's FSDP2 (transformers'
+        ``fsdp`` arguments) shards a model in place when training starts, into new ``DTensor`` parameters. Bind
+        again then, and each mask is sharded like its weight."""
+        now = {t.name: t.param for t in prunable_tensors(model)}
+        return any(now.get(n) is not p for n, p in zip(self.masks, self.all_params))
 
     def _sync_devices(self) -> None:
         # The Trainer may move (or cast) the model after the masks were bound.
