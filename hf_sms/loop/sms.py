@@ -52,7 +52,8 @@ class SparseModelSoup:
     :mod:`hf_sms.loop.distributed`); on one process they train in turn. Both give the same soup.
 
     Args:
-        model: the pretrained (dense or already sparse) model; it is copied, never modified.
+        model: the pretrained (dense or already sparse) model; it is copied, never modified or moved: the run's
+            copies (pruned starts, replicas, soups, baselines) live on the device it trains on, wherever it was loaded.
         args: the run's :class:`SparseSoupConfig`.
         train_dataset: retraining data; ``args.validation_fraction`` of it is split off for validation
             (fixed seed) unless ``eval_dataset`` is given.
