@@ -105,7 +105,7 @@ def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
     for n, out in outs.items():
         _run(_cmd(n, "sms_digits.py", out, "--per-phase", "2", "1", "--merge-methods", "dare", "model_stock",
-                  "learned", "--pairwise"))  # fmt: skip
+                  "learned", "--pairwise", "--learned-steps", "50"))  # fmt: skip
     # every rank closes the group accelerate opened: left open, gloo's threads can abort the exit (SIGABRT)
     assert [(outs[2] / f"exit-rank{r}.txt").read_text() for r in (0, 1)] == ["closed", "closed"]
     assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
@@ -116,10 +116,13 @@ def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
     assert [len(d["pair_soups"]) for d in par["sms"]] == [1, 0] * 3  # m = 2, then 1: no pair
 
 
-# smp (32 s) with -m slow: its 2-process run is also the PSPNet smoke run's (tests/test_smoke.py), in CI
+# With -m slow: smp (32 s), whose 2-process run is also the PSPNet smoke run's (tests/test_smoke.py), and the
+# unstructured t5 and timm runs (28 s each), whose families' 2-process runs are their structured ones here and the
+# t5_wmt16 and cifar smoke runs on two processes, in CI
 @pytest.mark.parametrize(
     ("family", "structure"),
-    [("t5", "unstructured"), ("timm", "unstructured"), ("t5", "neurons+heads"), ("timm", "filters"),
+    [pytest.param("t5", "unstructured", marks=pytest.mark.slow),
+     pytest.param("timm", "unstructured", marks=pytest.mark.slow), ("t5", "neurons+heads"), ("timm", "filters"),
      pytest.param("smp", "unstructured", marks=pytest.mark.slow),
      pytest.param("smp", "filters", marks=pytest.mark.slow)],
 )  # fmt: skip

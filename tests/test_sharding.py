@@ -87,9 +87,10 @@ def test_replicas_are_sharded_block_by_block_outermost_first():
 
 
 def test_causal_lm_replica_sharded_over_two_processes(tmp_path):
-    """--replica_sharding fsdp in the causal-LM recipe on 2 processes, m = 1 (transformers' decoder layers sharded one
-    by one, tied embeddings in the root): every row equals the same group training data-parallel, and the soup loads
-    with plain transformers. (Here, not in test_smoke.py: this file is short, so its worker is not the last.)"""
+    """--replica_sharding fsdp in the causal-LM recipe on 2 processes, m = 1, one phase (transformers' decoder layers
+    sharded one by one, tied embeddings in the root): every row equals the same group training data-parallel, and the
+    soup loads with plain transformers. (Here, not in test_smoke.py: this file is short, so its worker is not the
+    last.)"""
     from conftest import untimed
     from transformers import AutoModelForCausalLM
 
@@ -100,7 +101,7 @@ def test_causal_lm_replica_sharded_over_two_processes(tmp_path):
         runs[mode] = tmp_path / mode
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(Path(REPO) / "recipes" / "causal_lm.py"), "--smoke", "--num_replicas", "1",
-               "--replica_sharding", mode, "--output_dir", str(runs[mode])]  # fmt: skip
+               "--n_phases", "1", "--replica_sharding", mode, "--output_dir", str(runs[mode])]  # fmt: skip
         env = {**ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TMPDIR": str(tmp_path)}
         proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -108,7 +109,7 @@ def test_causal_lm_replica_sharded_over_two_processes(tmp_path):
     plain, sharded = (json.loads((runs[m] / "results.json").read_text()) for m in ("none", "fsdp"))
     assert untimed(sharded["rows"]) == untimed(plain["rows"])
     assert {"sms_uniform", "imp", "imp_mx"} <= set(sharded["rows"])
-    assert logs["fsdp"].count("sharded over 2 processes (FSDP2)") == 3 * 2 * 2  # SMS, IMP, IMP_mx; 2 phases; 2 ranks
+    assert logs["fsdp"].count("sharded over 2 processes (FSDP2)") == 3 * 2  # SMS, IMP, IMP_mx; 2 ranks
     assert "FSDP2" not in logs["none"]
     model = AutoModelForCausalLM.from_pretrained(runs["fsdp"] / "final_soup")
     assert hf_sms.sparsity_report(model)["sparsity"] == pytest.approx(0.5, abs=1e-3)

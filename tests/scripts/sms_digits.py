@@ -31,6 +31,7 @@ parser.add_argument("--share", action="store_true", help="share_idle_groups: a l
 parser.add_argument("--replica-params", default="all", help="what a replica trains (all, bias_norm, mask_lora, ...)")
 parser.add_argument("--pairwise", action="store_true", help="pairwise_soups: score every pair's soup")
 parser.add_argument("--sharding", default="none", help="replica_sharding: none, or fsdp (a replica over its group)")
+parser.add_argument("--learned-steps", type=int, default=None, help="the learned soup's fit length (default: 500)")
 parser.add_argument("--eval-copies", type=int, default=1, help="validation and test sets repeated (benchmarks)")
 cli = parser.parse_args()
 
@@ -64,6 +65,7 @@ args = SparseSoupConfig(
     lora_rank=2,
     pairwise_soups=cli.pairwise,
     replica_sharding=cli.sharding,
+    soup_options={"learned": {"steps": cli.learned_steps}} if cli.learned_steps else {},
 )
 noisy = TensorDictDataset(
     test.x + 0.3 * torch.randn(test.x.shape, generator=torch.Generator().manual_seed(0)), test.labels
