@@ -64,7 +64,8 @@ def run(fsdp: bool):
     model, masks = model_and_masks()
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": (ids := torch.randint(1, 32000, (cli.seq,), generator=g)), "labels": ids} for _ in range(64)]
-    sharding = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+    # the form the H200 ran (transformers 5.17: FSDP2 by default); the string form is deprecated, still taken by 5.24
+    sharding = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
     args = SparseSoupConfig(output_dir=tempfile.mkdtemp(), max_steps=cli.steps, per_device_train_batch_size=4,
                             learning_rate=1e-4, optim="adamw_torch", report_to="none", disable_tqdm=True,
                             bf16=cuda, use_cpu=not cuda, save_strategy="no", **(sharding if fsdp else {}))  # fmt: skip
