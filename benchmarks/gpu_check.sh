@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check on a lent GPU machine (H200, 2026-11-28: a 100 s, b 37 s, c 40 s, d over 100 s, e 9 s,
-# f 230 s; the others not yet timed on a GPU: a 15-minute lease runs about half, so pass the wanted steps first);
-# record what it prints in docs/benchmarks.md ("GPU check"). On a CPU, --dry-run runs tiny versions of every step
-# (tests/test_gpu_check.py).
+# f 111 s, fgc 120 s, g 63 s, h 66 s, i 27 s, j 67 s, plus a minute or two to start the machine: a 15-minute lease
+# runs about half, so pass the wanted steps first); record what it prints in docs/benchmarks.md ("GPU check"). On a
+# CPU, --dry-run runs tiny versions of every step (tests/test_gpu_check.py).
 #
 #   bash benchmarks/gpu_check.sh            # a CUDA GPU (compute capability >= 8.0 for the 2:4 rows)
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: checks that every step runs
