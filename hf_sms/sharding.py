@@ -128,13 +128,21 @@ def full_model(model: nn.Module) -> nn.Module | None:
             f"a sharded {plain.__name__} cannot be rebuilt from a config: save it with hf_sms.sharding.save_sharded("
             f"model, folder, template=<an unsharded {plain.__name__}, e.g. built on the meta device>)"
         )
+    with torch.device("meta"):
+        template = plain._from_config(model.config)
+    full = _filled(template, model)
+    if full is not None:
+        full.tie_weights()  # assign=True gave each tied name its own tensor
+    return full
+
+
+def _filled(template: nn.Module, model: nn.Module) -> nn.Module | None:
+    """``template`` holding the full tensors of the sharded ``model`` (:func:`full_state_dict`, assigned: no copy) on
+    process 0, ``None`` on the others."""
     state = full_state_dict(model)
     if state is None:
         return None
-    with torch.device("meta"):
-        template = plain._from_config(model.config)
     template.load_state_dict(state, assign=True)
-    template.tie_weights()
     return template
 
 
@@ -143,9 +151,7 @@ def save_sharded(model: nn.Module, directory: str, template: nn.Module, format: 
     to process 0's CPU one at a time (:func:`full_state_dict`), set into ``template`` (an unsharded model of the
     architecture, e.g. built on the ``meta`` device: no copy is made) and written there. Every process calls it;
     they return when the folder is complete."""
-    state = full_state_dict(model)
-    if state is not None:
-        template.load_state_dict(state, assign=True)
+    if _filled(template, model) is not None:
         save_sparse(template, directory, format, **kwargs)
     if dist.is_initialized():
         dist.barrier()

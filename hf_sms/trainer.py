@@ -57,7 +57,6 @@ class _MaskCallback(TrainerCallback):
         trainer = self.trainer
         if trainer.enforcer.replaced(trainer.model):  # FSDP2 sharded the model as training began: new parameters
             trainer._bind(trainer.masks)
-            trainer._fsdp = any(is_sharded(p) for p in trainer.model.parameters())
         trainer.masking.start(optimizer)  # also cleans optimizer state restored on resume
         if optimizer is not None:  # masks kept even where a subclass's training_step skips the mixin's
             self.hook = unwrap_optimizer(optimizer).register_step_pre_hook(self.trainer._before_optimizer_step)
@@ -169,7 +168,6 @@ class SparseSoupMixin:
         self.step_offset, self.total_steps = step_offset, total_steps
         self.pruning_step = step
         self.process_group = process_group
-        self._fsdp = isinstance(self.model, nn.Module) and any(is_sharded(p) for p in self.model.parameters())
         self.masking = masking if masking is not None else ExactMasking()
         if self.masking.zeroes_at_start:  # DPF keeps the dense values it was handed
             apply_masks(self.model, step.masks)
@@ -195,6 +193,7 @@ class SparseSoupMixin:
         self.masking.new_masks(optimizer)
 
     def _bind(self, masks: Masks) -> None:
+        self._fsdp = isinstance(self.model, nn.Module) and any(is_sharded(p) for p in self.model.parameters())
         self.enforcer = MaskEnforcer(self.model, masks)
         self.masking.bind(self.enforcer)
 

@@ -67,9 +67,9 @@ def _hparams(args, name: str, p: int, i: int, times_m: bool):
 def _whole_track(ctx, name: str, hparams: list, phases: list[float], report: dict[int, int], callbacks) -> list[dict]:
     """Every phase of one IMP track on this process group, as the phase step does it (prune its own model, retrain,
     recalibrate, score), each row measured by the group: what run_imp's phases give on one process."""
-    model, masks, rows, group = ctx.copy_pretrained(), None, [], ctx.world.group
+    model, masks, rows, group = None, None, [], ctx.world.group
     for p, (sparsity, h) in enumerate(zip(phases, hparams)):
-        start = copy.deepcopy(model)
+        start = ctx.copy_pretrained() if model is None else copy.deepcopy(model)
         step = ctx.args.plan.prune(start, sparsity, masks, ctx.example)
         model = ctx.train_replica(start, step, h, f"{phase_folder(name, p)}/track0", callbacks())
         model = ctx.recalibrate(model, group)
