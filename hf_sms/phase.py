@@ -84,6 +84,9 @@ class PhaseResult:
     rows: list[dict] | None = None  # a TrackJob's: the measured row of each of its phases
     pair_soups: list[dict] | None = None  # pairwise_soups: {"pair": [i, j], "val", "test"} per pair of replicas
     also: dict[str, nn.Module] = field(default_factory=dict)  # PhaseSpec.also's soups, by method
+    # the candidates' test scores and diversity (Recorder.candidate_scores), measured before their soup was written
+    # into the start their weights share (subset replicas); None: measured from ``candidates`` when recorded
+    scored: dict | None = None
 
     @property
     def masks(self):

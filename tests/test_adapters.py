@@ -40,6 +40,7 @@ from hf_sms.adapters.replica import (
     soup_of_states,
     trained_state,
 )
+from hf_sms.adapters.soup import adapter_soup, build_subset_soup
 from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
@@ -313,6 +314,48 @@ def test_a_subset_soup_shares_what_it_does_not_change_and_never_writes_the_start
         assert "model.embed_tokens.weight" in shared and "model.layers.0.mlp.down_proj.weight" in changed
     assert revived(soup, masks) == 0
     assert all(p.requires_grad == start[n].requires_grad for n, p in soup.named_parameters())
+
+
+@pytest.mark.parametrize("kind", ["mask_lora", "scale_lora"])
+def test_a_trial_soup_in_adapter_form_is_the_merged_soup_and_leaves_the_replica_as_it_was(kind):
+    """Greedy's trial soups of adapters are scored as one gated update of rank k*r (no new weights): the same
+    function as the merged soup up to rounding, with the LoRA dropout the merged soup lacks switched off, and the
+    template replica is itself again afterwards."""
+    model, _ = tiny_llama()
+    args = lora_args(kind, targets=None)
+    args.lora_dropout = 0.3
+    replicas = [make_replica(model, args) for _ in range(3)]
+    for s, r in enumerate(replicas):
+        train_steps(r, seed=s)
+    states, weights = [trained_state(r) for r in replicas], [0.5, 0.0, 0.5]
+    template = make_replica(model, args)
+    before = dict(template.named_parameters())
+    ids = torch.randint(1, 64, (2, 8))
+    with torch.no_grad():
+        plain = template(input_ids=ids).logits
+        merged = soup_of_states(model, [states[0], states[2]], [0.5, 0.5], args)(input_ids=ids).logits
+        with adapter_soup(template, states, weights) as trial:
+            trial.train()  # dropout on where the template has it: the trial must not use it
+            torch.testing.assert_close(trial(input_ids=ids).logits, merged, rtol=1e-5, atol=1e-5)
+        template.eval()
+        assert not torch.allclose(merged, plain)  # the replicas trained: a soup that ignored them would fail
+        assert dict(template.named_parameters()) == before and torch.equal(template(input_ids=ids).logits, plain)
+
+
+@pytest.mark.parametrize("kind", ["mask_lora", "scale_lora", "bias_norm"])
+def test_a_subset_soup_written_in_place_is_the_copied_soup_bit_for_bit(kind):
+    """The phase's soup of subset replicas is written into its start (no new weights): the same bits as the soup
+    built beside it, the start's zeros exactly."""
+    model, masks = tiny_llama()
+    args = lora_args(kind)
+    replicas = [make_replica(model, args) for _ in range(2)]
+    for s, r in enumerate(replicas):
+        train_steps(r, seed=s)
+    states = [trained_state(r) for r in replicas]
+    copied = soup_of_states(model, states, [0.5, 0.5], args)
+    soup = build_subset_soup(model, states, [0.5, 0.5], args, in_place=True)
+    assert soup is model and revived(soup, masks) == 0
+    assert all(torch.equal(a, b) for a, b in zip(soup.state_dict().values(), copied.state_dict().values()))
 
 
 def test_save_adapter_writes_peft_format(tmp_path):

@@ -179,7 +179,7 @@ def load_trained_state(replica: nn.Module, state: State) -> None:
             params[name].copy_(t)
 
 
-def _lora_layers(model: nn.Module):
+def lora_layers(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
@@ -197,14 +197,17 @@ def layer_update(layer, states: Sequence[State], weights: Sequence[float], prefi
 
 
 @torch.no_grad()
-def soup_of_states(start: nn.Module, states: Sequence[State], weights: Sequence[float], args, template=None):
+def soup_of_states(
+    start: nn.Module, states: Sequence[State], weights: Sequence[float], args, template=None, in_place: bool = False
+):
     """The soup of subset replicas of ``start`` (made with ``args``): a plain copy of ``start`` plus the weighted sum
     of their updates (``weights`` sum to 1), layer by layer; pruned weights stay exactly zero. ``template``: a replica
-    of ``start`` made with ``args`` (built here if not given; a caller making many soups builds it once)."""
+    of ``start`` made with ``args`` (built here if not given; a caller making many soups builds it once).
+    ``in_place``: written into ``start`` itself (no new weights; every replica sharing its weights changes too)."""
     kind = kind_of(args)
-    layers = [] if kind.adapters is None else _lora_layers(template or make_replica(start, args))
+    layers = [] if kind.adapters is None else lora_layers(template or make_replica(start, args))
     changed = set(states[0]) if kind.adapters is None else {plain_name(prefix) + ".weight" for prefix, _ in layers}
-    model = _sharing(start, changed)
+    model = start if in_place else _sharing(start, changed)
     params = dict(model.named_parameters())
     if kind.adapters is None:  # the trained tensors themselves: their weighted mean (float64 sums, as every soup)
         for name in states[0]:
@@ -238,7 +241,7 @@ def replica_distances(start: nn.Module, states: Sequence[State], args, template=
             for i, j in sq:
                 sq[i, j] += float((states[i][name].double() - states[j][name].double()).square().sum())
     else:
-        for prefix, layer in _lora_layers(template or make_replica(start, args)):
+        for prefix, layer in lora_layers(template or make_replica(start, args)):
             deltas = [layer_update(layer, [s], [1.0], prefix) for s in states]
             for i, j in sq:
                 sq[i, j] += float((deltas[i].double() - deltas[j].double()).square().sum())

@@ -126,7 +126,8 @@ class Recorder:
         by test", the paper's row) and their mean, each trajectory's under its soup method's name unless
         ``primary`` (the trajectory reported as the final soup)."""
         cands, val, soup = result.candidates, result.val, result.soup
-        scores = self.world.gather({i: self.test_scores(c, self.world.group)["tests"] for i, c in cands.items()})
+        scored = result.scored or self.candidate_scores(cands, val)
+        scores = scored["tests"]
         tests = {name: [scores[i][name] for i in range(len(val))] for name in self.tests}
         test = next(iter(tests.values()), [None] * len(val))
         self.row(f"sms_{method}", p, self.measure(soup, timed=True, shared=True), kept=result.kept)
@@ -148,8 +149,10 @@ class Recorder:
             "target_sparsity": sparsity,
             "candidates_val": val,
             "candidates_test": test,
-            "pairwise_l2": result.pairwise_l2 or self.world.pairwise_l2(cands, len(val), soup),
-            **diversity(self.metric_fn, self.world, cands, val, self.eval_dataset, self.test_dataset),
+            "pairwise_l2": result.pairwise_l2
+            if result.pairwise_l2 is not None
+            else self.world.pairwise_l2(cands, len(val), soup),
+            **scored["diversity"],
             "seconds": round(result.seconds, 3),
             "eval_seconds": round(self.eval_seconds, 3),  # the soup's validation and test sets
         }
@@ -162,6 +165,15 @@ class Recorder:
         if self.world.is_main and primary:
             log_diversity(diag)
         self.save()
+
+    def candidate_scores(self, candidates: dict, val: list) -> dict:
+        """Every candidate's test scores (``{i: {test name: score}}``, gathered) and the phase's diversity
+        diagnostics, from this process's ``candidates`` and every candidate's validation scores ``val``."""
+        tests = {i: self.test_scores(c, self.world.group)["tests"] for i, c in candidates.items()}
+        return {
+            "tests": self.world.gather(tests),
+            "diversity": diversity(self.metric_fn, self.world, candidates, val, self.eval_dataset, self.test_dataset),
+        }
 
     def jobs(self, records: list[dict]) -> None:
         """Every process's records of a round (its training jobs, its wait for the other groups): results.json's

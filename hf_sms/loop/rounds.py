@@ -19,9 +19,12 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
+
+from torch import nn
 
 from ..adapters.replica import kind_of, make_replica, replica_distances, trained_state
-from ..adapters.soup import subset_soup
+from ..adapters.soup import build_subset_soup, subset_soup, subset_weights
 from ..checkpoint.constants import REPLICA_STATE, SPARSITY_NAME
 from ..phase import PhaseResult, PhaseSpec, TrackJob
 from ..pruning.masks import PruningStep
@@ -131,18 +134,27 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
     for folder, model in trained.items():  # back in memory for the soup, one at a time
         if isinstance(model, Parked):
             trained[folder] = ctx.recalibrate(load_replica(model.start, model.folder), world.group)
-    trained_s, results = time.perf_counter() - start, []
+    trained_s, results, writes = time.perf_counter() - start, [], []
     for s, spec in enumerate(specs):
-        t0 = time.perf_counter()
+        t0, write = time.perf_counter(), None
         with world.assigned(owners[s]):
             if isinstance(spec, TrackJob):  # its rows, from the group that measured them
                 rows = world.object_from_owner({0: trained[spec.folder]} if spec.folder in trained else {}, 0)
                 result = PhaseResult(None, {}, [], [], None, rows=rows)
             else:
                 candidates = {i: trained[spec.replica_folder(i)] for i in world.owned(len(spec.hparams))}
-                result = _soup(ctx, spec, pruned[s][2], candidates)
+                result, write = _soup(ctx, spec, pruned[s][2], candidates)
+                del candidates  # a subset phase's result keeps none: they share the start its soup is written into
         result.owners, result.seconds = owners[s], trained_s + time.perf_counter() - t0
         results.append(result)
+        writes.append(write)
+    trained.clear()  # the replicas are scored: a subset soup is written into the start they share
+    for s, write in enumerate(writes):
+        if write is not None:
+            t0 = time.perf_counter()
+            with world.assigned(owners[s]):
+                results[s].soup = write()
+            results[s].seconds += time.perf_counter() - t0
     return results
 
 
@@ -162,31 +174,14 @@ def _prune(ctx, spec: PhaseSpec, held: list[int]) -> tuple[dict, dict, PruningSt
     return spec.start, steps, {i: steps[i] for i in ctx.world.owned(len(spec.hparams))}
 
 
-def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
-    """Score the candidates on validation and merge them (Step 3)."""
+def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> tuple[PhaseResult, Callable[[], nn.Module] | None]:
+    """Score the candidates on validation and merge them (Step 3); with subset replicas, also what writes their soup
+    (:func:`_subset_soup`)."""
     plan, example, world = ctx.args.plan, ctx.example, ctx.world
     val = ctx.gather_metric(candidates, ctx.eval_dataset)
-    result, kept = None, []
     if spec.soup is not None and spec.shared and not kind_of(ctx.args).full:  # souped from the trained subsets
-        n, template = len(spec.hparams), make_replica(spec.start, ctx.args)  # shapes and layers, built once
-        every = world.all_candidates({i: trained_state(c) for i, c in candidates.items()}, n, trained_state(template))
-        states = [every[i] for i in range(n)]
-        result, weights = subset_soup(
-            spec.start,
-            states,
-            spec.soup,
-            ctx.args,
-            scores=val,
-            evaluate=lambda m: ctx.recorder.evaluate(m, ctx.eval_dataset, shared=True),
-            recalibrate=ctx.recalibrate,
-            template=template,
-        )
-        kept = [i for i, w in enumerate(weights) if w]
-        pairwise = replica_distances(spec.start, states, ctx.args, template)
-        pairs = _pair_soups(
-            ctx, spec, lambda pair: subset_soup(spec.start, states, pair, ctx.args, val, None, None, template)
-        )
-        return PhaseResult(result, candidates, val, kept, step, pairwise_l2=pairwise, pair_soups=pairs)
+        return _subset_soup(ctx, spec, step, candidates, val)
+    result, kept = None, []
     pairs = None
     if spec.soup is not None and spec.shared:
         pairs = _pair_soups(
@@ -215,7 +210,32 @@ def _soup(ctx, spec: PhaseSpec, step, candidates: dict) -> PhaseResult:
         result, weights = make(spec.soup)
         kept = [i for i, w in enumerate(weights) if w]
     also = {method: make(method)[0] for method in spec.also}
-    return PhaseResult(result, candidates, val, kept, step, pair_soups=pairs, also=also)
+    return PhaseResult(result, candidates, val, kept, step, pair_soups=pairs, also=also), None
+
+
+def _subset_soup(ctx, spec: PhaseSpec, step, candidates: dict, val: list) -> tuple[PhaseResult, Callable]:
+    """The phase's result for replicas that trained a subset of its start, and what writes their soup into the
+    start in place (no new weights: the peak of such a phase is its start, not start and soup). The replicas share
+    the start's weights, so everything that scores them or needs the start as it was comes first: the soup's
+    weights (trial soups of adapters in adapter form), distances, pair soups, the candidates' test scores and
+    diversity; the writes wait until every phase of the round is scored (a later phase's replicas may have trained
+    from this start)."""
+    n, template = len(spec.hparams), make_replica(spec.start, ctx.args)  # shapes and layers, built once
+    every = ctx.world.all_candidates({i: trained_state(c) for i, c in candidates.items()}, n, trained_state(template))
+    states = [every[i] for i in range(n)]
+
+    def evaluate(model):
+        return ctx.recorder.evaluate(model, ctx.eval_dataset, shared=True)
+
+    weights = subset_weights(spec.start, states, spec.soup, ctx.args, val, evaluate, ctx.recalibrate, template)
+    pairwise = replica_distances(spec.start, states, ctx.args, template)
+    pairs = _pair_soups(
+        ctx, spec, lambda pair: subset_soup(spec.start, states, pair, ctx.args, val, None, None, template)
+    )
+    scored = ctx.recorder.candidate_scores(candidates, val)
+    kept = [i for i, w in enumerate(weights) if w]
+    result = PhaseResult(None, {}, val, kept, step, pairwise_l2=pairwise, pair_soups=pairs, scored=scored)
+    return result, lambda: build_subset_soup(spec.start, states, weights, ctx.args, ctx.recalibrate, template, True)
 
 
 def _pair_soups(ctx, spec: PhaseSpec, make) -> list[dict] | None:
