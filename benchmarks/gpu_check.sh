@@ -22,16 +22,18 @@
 #     (g) BatchNorm recalibration behind dropout on 1, 2, 3 processes sharing the GPU: the same statistics (issue 37);
 #     (h) the learned soup's fit: peak CUDA memory against one training step (issue 38, target ratio <= 1);
 #     (i) SparseSoupTrainer under transformers' own `fsdp` arguments (FSDP2 through accelerate, GPU only): masks
-#     exact after training, save_model -> load_sparse, step time and peak memory with and without FSDP (issue 35);
-#     (fgc) (f) with gradient checkpointing; (j) tests/test_cuda.py: a model loaded on the CPU is pruned, trained,
-#     souped, recalibrated and scored on the GPU (SMS, the IMP baselines, SWAMP, GMP, a unit run).
+#     exact after training, save_model -> load_sparse, step time and peak memory without FSDP and with both of the
+#     Trainer's forms of asking for FSDP2 (issue 35);
+#     (fgc) (f) with gradient checkpointing; (f64) (f) at the CPU benchmark's default shape (81.2M, 64 tokens);
+#     (j) tests/test_cuda.py: a model loaded on the CPU is pruned, trained, souped, recalibrated and scored on the
+#     GPU (SMS, the IMP baselines, SWAMP, GMP, a unit run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1 && shift
 STEPS=("$@")
-[[ ${#STEPS[@]} == 0 ]] && STEPS=(j f i h g a b c d e fgc)
+[[ ${#STEPS[@]} == 0 ]] && STEPS=(fgc f64 f i j h g a b c d e)
 PY=${PYTHON:-python3}
 "$PY" - <<'EOF'
 import importlib, sys
@@ -107,6 +109,16 @@ step_f() {
   fi
 }
 
+step_f64() {
+  # issue 35's shape: the benchmark's defaults (81.2M parameters, 64 tokens), as measured on the CPU
+  echo "== (f64) (f) at the benchmark's default shape =="
+  if [[ $DRY == 1 ]]; then
+    "$PY" benchmarks/replica_memory.py --rounds 1 --hidden 128 --layers 1 --steps 1 --seq 8
+  else
+    "$PY" benchmarks/replica_memory.py --device cuda --rounds 1 --steps 10
+  fi
+}
+
 step_fgc() {
   # the activations of 4 x 256 tokens are every kind's; recomputed in the backward, what the replica trains shows
   echo "== (fgc) (f) with gradient checkpointing =="
@@ -151,7 +163,7 @@ step_j() {
 }
 
 # each step in its own `bash -e` (errexit holds inside it), at most STEP_TIMEOUT seconds (0: no limit)
-export -f step_a step_b step_c step_d step_e step_f step_fgc step_g step_h step_i step_j
+export -f step_a step_b step_c step_d step_e step_f step_f64 step_fgc step_g step_h step_i step_j
 export DRY PY OUTDIR
 failed=()
 for step in "${STEPS[@]}"; do

@@ -92,7 +92,8 @@ class ReplicaWorld:
 
     Args:
         num_replicas: m, the replicas of a phase.
-        cpu: use gloo on CPU tensors (else nccl on this process's GPU).
+        cpu: use gloo on CPU tensors (else nccl on this process's GPU); one process: sum on the CPU, else on its
+            GPU where there is one.
     """
 
     def __init__(self, num_replicas: int, cpu: bool = False):
@@ -102,8 +103,10 @@ class ReplicaWorld:
         self.assignment: list[int] | None = None  # the group of each replica of the phase being run (assigned())
         self._waiting, self._joined = None, {}
         self._use_cuda, self._local_rank = False, 0
-        if self.size == 1:
+        if self.size == 1:  # soups and sums where the run trains (a GPU's, not copied through the CPU)
             self.n_groups, self.group_index = 1, 0
+            if not cpu and torch.cuda.is_available():
+                self.device = torch.device("cuda", torch.cuda.current_device())
             return
         if self.size > num_replicas and self.size % num_replicas:
             raise ValueError(
