@@ -75,16 +75,19 @@ def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
 @pytest.mark.parametrize("kind", ["mask_lora", pytest.param("bias_norm", marks=pytest.mark.slow)])
 def test_two_processes_give_the_sequential_soup_of_subset_replicas(tmp_path, kind):
     """Replicas that train adapters (or biases and norms) exchange only those between processes: the soups of 1
-    and 2 processes are bit-identical, and so are the IMP baseline (same subset) and every row."""
+    and 2 processes are bit-identical, and so are the IMP baseline (same subset) and every row. Two trajectories:
+    on 2 processes their first phases share one round and its replicas, trained from the first trajectory's start,
+    into which its soup is written only once the second's candidates are scored."""
     runs = {n: tmp_path / f"p{n}" for n in (1, 2)}
     for n, out in runs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--replica-params", kind, "--baselines", "imp", "--pairwise"))
+        _run(_cmd(n, "sms_digits.py", out, "--replica-params", kind, "--baselines", "imp", "--pairwise",
+                  "--merge-methods", "uniform", "greedy"))  # fmt: skip
     assert _max_diff(_soup(runs[1]), _soup(runs[2])) == 0.0
     seq, par = (json.loads((d / "results.json").read_text()) for d in runs.values())
     assert untimed(par["rows"]) == untimed(seq["rows"]) and par["replica_params"] == kind
     for key in ("pairwise_l2", "pair_soups"):  # the pair soups of subset replicas too
         assert [d[key] for d in par["sms"]] == [d[key] for d in seq["sms"]]
-    assert [len(d["pair_soups"]) for d in par["sms"]] == [1, 1]
+    assert [len(d["pair_soups"]) for d in par["sms"]] == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("method", ["gmp", pytest.param("dpf", marks=pytest.mark.slow)])  # 25 s each; GMP in CI
