@@ -88,6 +88,14 @@ def train_steps(model, steps: int = 3, seed: int = 0, lr: float = 0.05):
     return opt
 
 
+def trained_states(model, args, n: int) -> list[dict]:
+    """The trained states of ``n`` replicas of ``model`` (made with ``args``), each trained on its own batches."""
+    replicas = [make_replica(model, args) for _ in range(n)]
+    for s, r in enumerate(replicas):
+        train_steps(r, seed=s)
+    return [trained_state(r) for r in replicas]
+
+
 # -- the layers --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["mask", "scale"])
 def test_gated_low_rank_gradients_are_exact(kind):
@@ -272,10 +280,7 @@ def test_distances_from_trained_states_equal_those_of_the_merged_models():
     model, _ = tiny_llama()
     for kind in ("mask_lora", "bias_norm"):
         args = lora_args(kind)
-        replicas = [make_replica(model, args) for _ in range(3)]
-        for s, r in enumerate(replicas):
-            train_steps(r, seed=s)
-        states = [trained_state(r) for r in replicas]
+        states = trained_states(model, args, 3)
         merged = [soup_of_states(model, [s], [1.0], args) for s in states]
         expected = [
             float(
@@ -299,10 +304,7 @@ def test_a_subset_soup_shares_what_it_does_not_change_and_never_writes_the_start
     model, masks = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = lora_args(kind)
-    replicas = [make_replica(model, args) for _ in range(2)]
-    for s, r in enumerate(replicas):
-        train_steps(r, seed=s)
-    states = [trained_state(r) for r in replicas]
+    states = trained_states(model, args, 2)
     soup = soup_of_states(model, states, [0.5, 0.5], args)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the start is untouched
     start = dict(model.named_parameters())
@@ -324,10 +326,7 @@ def test_a_trial_soup_in_adapter_form_is_the_merged_soup_and_leaves_the_replica_
     model, _ = tiny_llama()
     args = lora_args(kind, targets=None)
     args.lora_dropout = 0.3
-    replicas = [make_replica(model, args) for _ in range(3)]
-    for s, r in enumerate(replicas):
-        train_steps(r, seed=s)
-    states, weights = [trained_state(r) for r in replicas], [0.5, 0.0, 0.5]
+    states, weights = trained_states(model, args, 3), [0.5, 0.0, 0.5]
     template = make_replica(model, args)
     before = dict(template.named_parameters())
     ids = torch.randint(1, 64, (2, 8))
@@ -348,10 +347,7 @@ def test_a_subset_soup_written_in_place_is_the_copied_soup_bit_for_bit(kind):
     built beside it, the start's zeros exactly."""
     model, masks = tiny_llama()
     args = lora_args(kind)
-    replicas = [make_replica(model, args) for _ in range(2)]
-    for s, r in enumerate(replicas):
-        train_steps(r, seed=s)
-    states = [trained_state(r) for r in replicas]
+    states = trained_states(model, args, 2)
     copied = soup_of_states(model, states, [0.5, 0.5], args)
     soup = build_subset_soup(model, states, [0.5, 0.5], args, in_place=True)
     assert soup is model and revived(soup, masks) == 0

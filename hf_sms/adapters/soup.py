@@ -49,27 +49,19 @@ def subset_weights(
     return spec.select(list(scores), trial, args)
 
 
-def subset_soup(
-    start: nn.Module,
-    states: Sequence[StateDict],
-    method: str | SoupMethod,
-    args,
-    scores: Sequence[float | None],
-    evaluate: Callable[[nn.Module], float] | None = None,
-    recalibrate: Callable[[nn.Module], nn.Module] | None = None,
-    template: nn.Module | None = None,
-    in_place: bool = False,
-) -> tuple[nn.Module, list[float]]:
-    """The soup of replicas that trained a subset of ``start`` and its weights (:func:`subset_weights`): ``start``
-    plus the weighted sum of their updates, one layer at a time (never m models), with ``start``'s zeros exactly.
-    ``in_place``: written into ``start`` itself."""
-    template = template if template is not None else make_replica(start, args)
-    weights = subset_weights(start, states, method, args, scores, evaluate, recalibrate, template)
-    return build_subset_soup(start, states, weights, args, recalibrate, template, in_place), weights
+def subset_soup(start: nn.Module, states: Sequence[StateDict], method, args, scores, **kwargs):
+    """``(soup, weights)``: the soup of replicas that trained a subset of ``start`` with the weights
+    :func:`subset_weights` picks (``kwargs``: its ``evaluate``, ``recalibrate``, ``template``), built beside
+    ``start`` by :func:`build_subset_soup`."""
+    template = kwargs.pop("template", None) or make_replica(start, args)
+    weights = subset_weights(start, states, method, args, scores, template=template, **kwargs)
+    return build_subset_soup(start, states, weights, args, kwargs.get("recalibrate"), template), weights
 
 
 def build_subset_soup(start, states, weights, args, recalibrate=None, template=None, in_place: bool = False):
-    """The soup of ``states`` with ``weights`` (as :func:`subset_soup`), BatchNorm recalibrated by ``recalibrate``."""
+    """``start`` plus the weighted sum of the updates in ``states`` (``weights``), one layer at a time (never m
+    models), with ``start``'s zeros exactly, BatchNorm recalibrated by ``recalibrate``; ``in_place``: written into
+    ``start`` itself."""
     model = soup_of_states(start, *_used(states, weights), args, template, in_place=in_place)
     return recalibrate(model) if recalibrate is not None else model
 

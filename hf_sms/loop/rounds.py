@@ -229,9 +229,7 @@ def _subset_soup(ctx, spec: PhaseSpec, step, candidates: dict, val: list) -> tup
 
     weights = subset_weights(spec.start, states, spec.soup, ctx.args, val, evaluate, ctx.recalibrate, template)
     pairwise = replica_distances(spec.start, states, ctx.args, template)
-    pairs = _pair_soups(
-        ctx, spec, lambda pair: subset_soup(spec.start, states, pair, ctx.args, val, None, None, template)
-    )
+    pairs = _pair_soups(ctx, spec, lambda pair: subset_soup(spec.start, states, pair, ctx.args, val, template=template))
     scored = ctx.recorder.candidate_scores(candidates, val)
     kept = [i for i, w in enumerate(weights) if w]
     result = PhaseResult(None, {}, val, kept, step, pairwise_l2=pairwise, pair_soups=pairs, scored=scored)
