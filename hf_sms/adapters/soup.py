@@ -53,7 +53,8 @@ def subset_soup(start: nn.Module, states: Sequence[StateDict], method, args, sco
     """``(soup, weights)``: the soup of replicas that trained a subset of ``start`` with the weights
     :func:`subset_weights` picks (``kwargs``: its ``evaluate``, ``recalibrate``, ``template``), built beside
     ``start`` by :func:`build_subset_soup`."""
-    template = kwargs.pop("template", None) or make_replica(start, args)
+    template = kwargs.pop("template", None)
+    template = template if template is not None else make_replica(start, args)
     weights = subset_weights(start, states, method, args, scores, template=template, **kwargs)
     return build_subset_soup(start, states, weights, args, kwargs.get("recalibrate"), template), weights
 
