@@ -24,7 +24,8 @@ from hf_sms import SparseSoupConfig, SparseSoupTrainer, compute_masks, load_spar
 
 p = argparse.ArgumentParser()
 p.add_argument("--no-fsdp", action="store_true", help="only the run without FSDP")
-p.add_argument("--forms", nargs="*", default=["string", "bool"], help="the fsdp argument forms to run")
+p.add_argument("--forms", nargs="*", default=["string", "bool"], choices=["string", "bool"],
+               help="the fsdp argument forms to run")  # fmt: skip
 p.add_argument("--device", default="cuda")
 p.add_argument("--hidden", type=int, default=512)
 p.add_argument("--layers", type=int, default=8)
@@ -65,6 +66,7 @@ def check(name, fn):
 # announced for 5.20; 5.24 still takes it), and the form that replaces it
 WRAP = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
 FORMS = {
+    None: {},  # no FSDP
     "string": {"fsdp": "full_shard", "fsdp_config": WRAP},
     "bool": {"fsdp": True, "fsdp_config": {"version": 2, **WRAP}},
 }
@@ -78,7 +80,7 @@ def run(form: str | None):
     try:
         args = SparseSoupConfig(output_dir=tempfile.mkdtemp(), max_steps=cli.steps, per_device_train_batch_size=4,
                                 learning_rate=1e-4, optim="adamw_torch", report_to="none", disable_tqdm=True,
-                                bf16=cuda, use_cpu=not cuda, save_strategy="no", **FORMS.get(form, {}))  # fmt: skip
+                                bf16=cuda, use_cpu=not cuda, save_strategy="no", **FORMS[form])  # fmt: skip
     except Exception as e:  # noqa: BLE001 - this transformers does not take the form: a failed check, on with the rest
         say(f"  FAIL {name}: arguments: {type(e).__name__}: {str(e)[:300]}")
         failed.append(f"{name}: arguments")

@@ -324,7 +324,7 @@ def test_a_trial_soup_in_adapter_form_is_the_merged_soup_and_leaves_the_replica_
     function as the merged soup up to rounding, with the LoRA dropout the merged soup lacks switched off, and the
     template replica is itself again afterwards."""
     model, _ = tiny_llama()
-    args = lora_args(kind, targets=None)
+    args = lora_args(kind)
     args.lora_dropout = 0.3
     states, weights = trained_states(model, args, 3), [0.5, 0.0, 0.5]
     template = make_replica(model, args)
