@@ -28,7 +28,7 @@ from hf_sms import (
     run_sms,
     sparsity_report,
 )
-from hf_sms.adapters import merge_adapters
+from hf_sms.adapters import lora, merge_adapters
 from hf_sms.adapters.lora import _GatedLowRank
 from hf_sms.adapters.merge import plain_name
 from hf_sms.adapters.replica import (
@@ -97,8 +97,14 @@ def trained_states(model, args, n: int) -> list[dict]:
 
 
 # -- the layers --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [None, 5, 12])  # the whole product; one row, two rows at a time (CPU blocks)
 @pytest.mark.parametrize("kind", ["mask", "scale"])
-def test_gated_low_rank_gradients_are_exact(kind):
+def test_gated_low_rank_gradients_are_exact(kind, block, monkeypatch):
+    if block is not None:
+        monkeypatch.setattr(lora, "BLOCK", block)
+        assert len(lora._row_blocks(torch.zeros(4, 5))) == 4 // (block // 5)
+    else:
+        monkeypatch.setattr(lora, "_row_blocks", lambda w: [slice(None)])
     torch.manual_seed(0)
     x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
     a = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)

@@ -34,27 +34,51 @@ def _gated(product: torch.Tensor, weight: torch.Tensor, kind: str, scaling: floa
     return product.mul_(scaling)
 
 
+BLOCK = 1 << 18
+"""Elements of the dense gated product computed at a time on the CPU (1 MiB in fp32): see :class:`_GatedLowRank`."""
+
+
+def _row_blocks(weight: torch.Tensor) -> list[slice]:
+    """The output rows of ``weight`` in blocks of at most :data:`BLOCK` elements on the CPU, one block elsewhere."""
+    out, inp = weight.shape
+    rows = out if weight.device.type != "cpu" else max(1, BLOCK // max(inp, 1))
+    return [slice(s, min(s + rows, out)) for s in range(0, out, rows)]
+
+
 class _GatedLowRank(torch.autograd.Function):
     """``x @ (G * (s B A)).T`` with G built from the frozen weight; saves x, A, B and W (already held), not the dense
-    product."""
+    product. On the CPU the dense product is made a block of output rows at a time: glibc serves these layer-sized
+    temporaries from its heap, where the small tensors freed around them fragment it, so a step of whole-layer
+    products grows the process by about a model's bytes that it no longer uses (benchmarks/replica_memory.py)."""
 
     @staticmethod
     def forward(ctx, x, a, b, weight, scaling: float, kind: str):
         ctx.save_for_backward(x, a, b, weight)
         ctx.scaling, ctx.kind = scaling, kind
-        return x @ _gated(b @ a, weight, kind, scaling).T
+        blocks = _row_blocks(weight)
+        if len(blocks) == 1:
+            return x @ _gated(b @ a, weight, kind, scaling).T
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])
+        for rows in blocks:
+            out[..., rows] = x @ _gated(b[rows] @ a, weight[rows], kind, scaling).T
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, a, b, weight = ctx.saved_tensors
         grad = grad.to(a.dtype)  # under autocast the incoming gradient may be half precision
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad @ _gated(b @ a, weight, ctx.kind, ctx.scaling)).to(x.dtype)
-        # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension
-        g = grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).to(a.dtype)
-        g = _gated(g, weight, ctx.kind, ctx.scaling)
-        return grad_x, b.T @ g, g @ a.T, None, None, None
+        grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(a.dtype)
+        grad_x = x2.new_zeros(x2.shape) if ctx.needs_input_grad[0] else None
+        grad_a, grad_b = torch.zeros_like(a), torch.empty_like(b)
+        for rows in _row_blocks(weight):
+            if grad_x is not None:
+                grad_x.addmm_(grad2[:, rows], _gated(b[rows] @ a, weight[rows], ctx.kind, ctx.scaling))
+            # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension
+            g = _gated(grad2[:, rows].T @ x2, weight[rows], ctx.kind, ctx.scaling)
+            grad_b[rows] = g @ a.T
+            grad_a.addmm_(b[rows].T, g)
+        grad_x = grad_x.reshape(x.shape).to(x.dtype) if grad_x is not None else None
+        return grad_x, grad_a, grad_b, None, None, None
 
 
 class _GatedVariant(LoraVariant):
