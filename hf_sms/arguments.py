@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from .config import SparseSoupArguments, SparseSoupConfig
+from .registry import REPLICA_PARAMS
 
 
 @dataclass(kw_only=True, repr=False)
@@ -67,8 +68,15 @@ def as_sparse_arguments(args, base: type = TrainingArguments):
 def departures(args) -> list[str]:
     """Where ``args`` retrain differently from the paper's settings (SparseSoupConfig's defaults): an arguments
     class's own defaults (Seq2SeqTrainingArguments, trl's SFTConfig) clip gradients and exempt biases and norms from
-    decay. The SMS loop says these in its log, results.json and the model card's notes."""
+    decay; replicas that train a subset (``replica_params``). The SMS loop says these in its log, results.json and
+    the model card's notes."""
     out = []
+    kind = getattr(args, "replica_params", "all")
+    if kind != "all":  # the baselines train it too, so the rows compare like with like
+        out.append(
+            f"every replica and the IMP / IMP_mx baselines retrain {REPLICA_PARAMS.get(kind).description}, the rest "
+            f"of the model frozen (replica_params={kind!r}; the paper retrains every parameter)"
+        )
     if (getattr(args, "max_grad_norm", 0) or 0) > 0:
         out.append(f"gradients are clipped at norm {args.max_grad_norm:g} (max_grad_norm; the paper does not clip)")
     if not getattr(args, "decay_all_parameters", True) and args.weight_decay > 0:

@@ -21,6 +21,8 @@ def test_departures_name_what_differs_from_the_paper(tmp_path):
     said = departures(seq2seq)  # Seq2SeqTrainingArguments' own defaults: clip at 1.0, no decay on biases and norms
     assert len(said) == 2 and "clipped at norm 1" in said[0] and "exempt from weight decay" in said[1]
     assert departures(SparseSoupSeq2SeqConfig(output_dir=str(tmp_path), max_grad_norm=0, report_to="none")) == []
+    said = departures(sms_config(tmp_path, replica_params="mask_lora"))  # a subset: the baselines train it too
+    assert len(said) == 1 and "IMP / IMP_mx baselines retrain MaskLoRA adapters" in said[0]
 
 
 def test_a_run_says_its_departures_in_the_log_results_and_card(tmp_path, caplog):
