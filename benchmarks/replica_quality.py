@@ -138,7 +138,7 @@ for sparsity in cli.sparsities:
         for kind in cli.kinds:
             argv = [sys.executable, __file__, "--run", folder, str(sparsity), criterion, kind]
             argv += ["--steps", str(cli.steps), "--seed", str(cli.seed)]
-            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True).stdout  # its errors show
             row = json.loads(out.strip().splitlines()[-1])
             rows.append({"sparsity": sparsity, "criterion": criterion, "replica_params": kind, **row, "seed": cli.seed})
             print(f"| {sparsity:.0%} | {criterion} | {kind} | " + " | ".join(f"{c:.3f}" for c in row["test_ppl"])

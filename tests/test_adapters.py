@@ -103,6 +103,7 @@ def test_gated_low_rank_gradients_are_exact(kind, block, monkeypatch):
     if block is not None:
         monkeypatch.setattr(lora, "BLOCK", block)
         assert len(lora._row_blocks(torch.zeros(4, 5))) == 4 // (block // 5)
+        assert len(lora._row_blocks(torch.zeros(4, 5, device="meta"))) == 1  # blocks on the CPU only
     else:
         monkeypatch.setattr(lora, "_row_blocks", lambda w: [slice(None)])
     torch.manual_seed(0)
