@@ -5,11 +5,13 @@ a folder (its library's own loader, :func:`hf_sms.load_sparse`, or a smaller mod
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import re
 
 from ..families import Family, literal
 from .constants import CONFIG_NAME, FORMAT_VERSION, PROGRAM, QUANT_METHOD, QUANT_METHODS, TIMM_WIDTHS, WEIGHTS_NAME
+from . import program_check
 from .folder import read_json, write_json
 
 
@@ -61,11 +63,22 @@ def plain_route_lines(route: str, location: str, hub: bool) -> list[str]:
             f"model = adapt_model_from_string(model, open({path(TIMM_WIDTHS)}).read())",
             f"model.load_state_dict(load_file({path(WEIGHTS_NAME)}))",
         ]
+    check = inspect.getsource(program_check.check_program).splitlines()
     return [
+        "import json",
+        "import re",
+        "import zipfile",
+        "",
         "import torch",
         *head,
         "",
-        f"model = torch.export.load({path(PROGRAM)}).module()  # the forward only: no generate, no training",
+        "",
+        *check,
+        "",
+        "",
+        f"path = {path(PROGRAM)}",
+        "check_program(path)  # torch.export.load unpickles some entries: refuse an archive that holds any",
+        "model = torch.export.load(path).module()  # the forward only: no generate, no training",
     ]
 
 

@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import zipfile
 
 import numpy as np
 
 from ..families import FAMILIES
-from .constants import INDEX_SUFFIX, SPARSITY_NAME
+from .constants import INDEX_SUFFIX, PROGRAM, SPARSITY_NAME, TIMM_WIDTHS
 from .family_files import load_snippet
 from .files import CheckpointFiles
 from .index_format import CODECS, DENSE, check_values, parse_index_bytes, position_chunks
 from .masks import MaskDigest, MaskStats, eligible, floating
+from .program_check import check_program
 from .safetensors_raw import DTYPE_SIZES
 
 _COMPARED = ("sparsity", "nnz", "numel", "mask_hash")  # global figures of sparsity.json
@@ -114,6 +116,12 @@ def verify_checkpoint(files: CheckpointFiles) -> tuple[list[str], dict[str, tupl
     recorded = (files.info or {}).get("per_tensor")
     counted = set(recorded) if isinstance(recorded, dict) else set()
     problems, specs, stats = [], {}, MaskStats()
+    program = os.path.join(files.directory, PROGRAM)
+    if os.path.isfile(program):  # the card tells users to run it: no entry torch would unpickle
+        try:
+            check_program(program)
+        except (ValueError, zipfile.BadZipFile, KeyError, TypeError, AttributeError) as e:
+            problems.append(f"{PROGRAM}: {e}")
     for name in files.names():
         try:
             specs[name] = _examine(files, name, counted, stats)
@@ -165,7 +173,7 @@ def inspect_checkpoint(directory: str) -> dict:
         "numel": measured["numel"],
         "mask_hash": measured["mask_hash"],
         "integrity": problems or "verified",
-        "manifest": "checked" if (info or {}).get("files") is not None else "none (a folder saved without one)",
+        "manifest": _manifest(info),
         "sparsity_json": "missing" if info is None else ("mismatch" if mismatches else "matches"),
         "mismatches": mismatches,
         "recorded": {k: info.get(k) for k in _COMPARED} if info is not None else None,
@@ -180,6 +188,14 @@ def inspect_checkpoint(directory: str) -> dict:
         ),
         "per_tensor": measured["per_tensor"],
     }
+
+
+def _manifest(info: dict | None) -> str:
+    recorded = (info or {}).get("files")
+    if recorded is None:
+        return "none (a folder saved without one)"
+    plain = [n for n in (TIMM_WIDTHS, PROGRAM) if n in recorded]
+    return f"checked ({', '.join(plain)} included)" if plain else "checked"
 
 
 def _mb(n: int) -> str:

@@ -4,7 +4,8 @@ Bytes are checked where they are read: every tensor stored as it is has a CRC-32
 dense folder's own files, in ``sparsity.json``), every encoded tensor a CRC-32 over its values and index in the
 index. What binds each tensor to its *name* and each file to its *folder* is the manifest ``sparsity.json``
 records (``files``): per weight file its size and the SHA-256 of its safetensors header, which holds every name,
-dtype, shape, byte range and the CRC table, and of a sharded folder's index. Two tensors swapped in a header, a
+dtype, shape, byte range and the CRC table, and of a sharded folder's index and a smaller model's plain route
+(``pruned.txt``, ``model.pt2``: whole files). Two tensors swapped in a header, a
 renamed tensor, a file from another save or a missing shard change a header, so :func:`check_manifest` refuses
 them, naming the file, before any tensor is read. Every reader calls it (:class:`~hf_sms.checkpoint.reader.
 SparseCheckpoint`: ``load_sparse``, ``merge``, ``convert``, ``inspect``, ``speed``; ``from_pretrained`` after
@@ -18,7 +19,7 @@ import logging
 import os
 import struct
 
-from .constants import INDEX_NAME, MANIFEST_SINCE, SPARSITY_NAME
+from .constants import INDEX_NAME, MANIFEST_SINCE, PROGRAM, SPARSITY_NAME, TIMM_WIDTHS
 
 logger = logging.getLogger("hf_sms")
 
@@ -51,14 +52,14 @@ def _entry(folder: str, name: str) -> dict:
 
 def _listed(folder: str, weight_paths: list[str]) -> list[str]:
     names = [os.path.relpath(p, folder) for p in weight_paths]
-    if os.path.isfile(os.path.join(folder, INDEX_NAME)):
-        names.append(INDEX_NAME)  # which file holds which tensor
+    # which file holds which tensor; a smaller model's plain route (the card tells users to run model.pt2)
+    names += [n for n in (INDEX_NAME, TIMM_WIDTHS, PROGRAM) if os.path.lexists(os.path.join(folder, n))]
     return sorted(names)
 
 
 def weight_manifest(folder: str, weight_paths: list[str]) -> dict:
-    """``{file: {"bytes", "header_sha256" | "sha256"}}`` of a folder's weight files (and its shard index), for
-    ``sparsity.json``."""
+    """``{file: {"bytes", "header_sha256" | "sha256"}}`` of a folder's weight files, its shard index and a smaller
+    model's plain route (``pruned.txt``, ``model.pt2``), for ``sparsity.json``."""
     return {name: _entry(folder, name) for name in _listed(folder, weight_paths)}
 
 
@@ -94,8 +95,8 @@ def check_manifest(folder: str, info: dict | None, weight_paths: list[str]) -> N
     extra = [n for n in present if n not in recorded]
     if extra:
         raise CorruptionError(
-            f"{folder}: {extra[0]} is not one of the weight files {SPARSITY_NAME} records: it comes "
-            f"from another save; {_FIX}"
+            f"{folder}: {extra[0]} is not one of the files {SPARSITY_NAME} records: it comes from another save "
+            f"(or from hf-sms before plain routes were recorded); {_FIX}"
         )
     for name, want in recorded.items():
         if name not in present:

@@ -10,7 +10,8 @@ saved with a plain route beside its weights, the first of these that gives the m
 - ``"torch.export"``: ``model.pt2``, a ``torch.export`` program of the eval forward on the model's usual inputs
   (by name where the model takes a dict), batch size free (and sequence length, for token inputs), which runs with
   torch alone: the forward only (no ``generate``, no training), outputs as plain dicts (transformers' ``logits``...),
-  its own copy of the weights.
+  its own copy of the weights. It holds no pickle (no sample inputs, no pickled tensor), so the card's lines can
+  refuse, before ``torch.export.load``, any archive that does (:mod:`hf_sms.checkpoint.program_check`).
 
 Each route is checked before it is offered: what it loads computes the saved model's outputs on the example batch
 (the exported program also on a batch twice as large).
@@ -28,6 +29,7 @@ from torch import nn
 
 from ..shrinking.shrink import eval_output, main_output
 from .constants import PROGRAM, TIMM_WIDTHS, WEIGHTS_NAME
+from .program_check import check_program
 
 logger = logging.getLogger("hf_sms")
 
@@ -166,7 +168,14 @@ def _export_route(model: nn.Module, folder: str, inputs, expected: torch.Tensor)
             return "gives other outputs than the model"
         if not _matches(eval_output(model, _doubled(inputs)), _call(exported, _doubled(inputs))):
             return "does not take a larger batch"
-        torch.export.save(program, os.path.join(folder, PROGRAM))
+        program.example_inputs = None  # saved as a pickle otherwise: the archive holds JSON and raw tensors only
+        path = os.path.join(folder, PROGRAM)
+        torch.export.save(program, path)
+        try:
+            check_program(path)  # what the card's lines check before loading it
+        except ValueError as e:
+            os.remove(path)
+            return f"wrote an archive the card's check refuses ({e})"
         return None
     except Exception as e:  # noqa: BLE001 - export fails in many ways (data-dependent branches, unsupported ops)
         return f"failed ({type(e).__name__}: {str(e)[:160]})"
