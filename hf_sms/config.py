@@ -35,8 +35,8 @@ class SparseSoupArguments:
     :class:`SparseSoupConfig`, :func:`sparse_config`); every field of that class applies to each replica.
 
     Parameters that control pruning:
-        target_sparsity, n_phases, allocation, structure, criterion, unit_multiple, fit_config (see
-        :func:`hf_sms.compute_masks`); resolved once into ``plan`` (:class:`hf_sms.plan.PruningPlan`).
+        target_sparsity, n_phases, allocation, structure, criterion, unit_multiple, fit_config, prune_modules,
+        skip_modules (see :func:`hf_sms.compute_masks`); resolved once into ``plan`` (:class:`hf_sms.plan.PruningPlan`).
     Parameters that control retraining (docs/method.md §3):
         retrain_schedule, pretrain_learning_rate, pretrain_min_learning_rate, pretrain_schedule,
         pretrain_epochs, retrain_warmup_fraction (``warmup_steps``, if set, takes precedence),
@@ -97,6 +97,17 @@ class SparseSoupArguments:
             "smaller model transformers/timm/smp load without hf-sms; False: every unit the model's graph has "
             "(smaller still, loaded with hf_sms.load_sparse)."
         },
+    )
+    prune_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Modules to prune, as peft's target_modules (names or their last parts; in Python also one "
+            "regular expression as a string). Default: every prunable weight; a causal LM's decoder linear layers "
+            "(embeddings and lm_head stay dense, as Wanda and SparseGPT leave them)."
+        },
+    )
+    skip_modules: list[str] | None = field(
+        default=None, metadata={"help": "Modules left dense, of those prune_modules (or its default) selects."}
     )
     # Retraining
     retrain_schedule: str = field(
@@ -273,6 +284,8 @@ class SparseSoupArguments:
                 seed=derive_seed(self.seed, "pruning"),
                 unit_multiple=self.unit_multiple,
                 fit_config=self.fit_config,
+                prune_modules=self.prune_modules,
+                skip_modules=self.skip_modules,
             )
             self.plan.validate(self.target_sparsity)
         except ValueError as e:

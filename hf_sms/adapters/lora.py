@@ -35,10 +35,11 @@ def _gated(product: torch.Tensor, weight: torch.Tensor, kind: str, scaling: floa
 
 
 BLOCK = 1 << 20
-"""Elements of the dense gated product computed at a time on the CPU (4 MiB in fp32): see :class:`_GatedLowRank`."""
+"""Elements of a dense gated product (or a soup's update) made at a time on the CPU (4 MiB in fp32): see
+:class:`_GatedLowRank`."""
 
 
-def _row_blocks(weight: torch.Tensor) -> list[slice]:
+def row_blocks(weight: torch.Tensor) -> list[slice]:
     """The output rows of ``weight`` in blocks of at most :data:`BLOCK` elements on the CPU, one block elsewhere."""
     out, inp = weight.shape
     rows = out if weight.device.type != "cpu" else max(1, BLOCK // max(inp, 1))
@@ -55,7 +56,7 @@ class _GatedLowRank(torch.autograd.Function):
     def forward(ctx, x, a, b, weight, scaling: float, kind: str):
         ctx.save_for_backward(x, a, b, weight)
         ctx.scaling, ctx.kind = scaling, kind
-        blocks = _row_blocks(weight)
+        blocks = row_blocks(weight)
         if len(blocks) == 1:
             return x @ _gated(b @ a, weight, kind, scaling).T
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
@@ -70,7 +71,7 @@ class _GatedLowRank(torch.autograd.Function):
         grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(a.dtype)
         grad_x = x2.new_zeros(x2.shape) if ctx.needs_input_grad[0] else None
         grad_a, grad_b = torch.zeros_like(a), torch.empty_like(b)
-        for rows in _row_blocks(weight):
+        for rows in row_blocks(weight):
             if grad_x is not None:
                 grad_x.addmm_(grad2[:, rows], _gated(b[rows] @ a, weight[rows], ctx.kind, ctx.scaling))
             # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension

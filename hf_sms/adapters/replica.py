@@ -28,7 +28,7 @@ from ..pruning.prunable import prunable_tensors
 from ..registry import REPLICA_PARAMS, SOUPS
 from ..seeding import derive_seed
 from ..soup.averaging import average_tensors
-from .lora import gate_of, lora_config
+from .lora import gate_of, lora_config, row_blocks
 from .merge import merge_adapters, plain_name
 
 State = dict[str, torch.Tensor]
@@ -112,10 +112,11 @@ def kind_of(args) -> ReplicaParams:
     return REPLICA_PARAMS.get(getattr(args, "replica_params", "all"))
 
 
-def lora_targets(model: nn.Module) -> list[str]:
-    """The default LoRA targets: every prunable ``nn.Linear`` (full module names)."""
+def lora_targets(model: nn.Module, plan=None) -> list[str]:
+    """The default LoRA targets: every ``nn.Linear`` the run's ``plan`` prunes (every prunable one without a plan),
+    as full module names."""
     modules = dict(model.named_modules())
-    names = [t.name.rsplit(".", 1)[0] for t in prunable_tensors(model)]
+    names = [t.name.rsplit(".", 1)[0] for t in (plan.tensors(model) if plan is not None else prunable_tensors(model))]
     return [n for n in dict.fromkeys(names) if isinstance(modules.get(n), nn.Linear)]
 
 
@@ -146,7 +147,7 @@ def make_replica(start: nn.Module, args) -> nn.Module:
         for name, p in replica.named_parameters():
             p.requires_grad_(name not in frozen)
         return replica
-    targets = args.lora_target_modules or lora_targets(start)
+    targets = args.lora_target_modules or lora_targets(start, getattr(args, "plan", None))
     if not targets:
         raise ValueError(
             f"replica_params={args.replica_params!r} found no nn.Linear to adapt in {type(start).__name__} (LoRA "
@@ -184,16 +185,18 @@ def lora_layers(model: nn.Module):
 
 
 @torch.no_grad()
-def layer_update(layer, states: Sequence[State], weights: Sequence[float], prefix: str, adapter: str = "default"):
+def layer_update(
+    layer, states: Sequence[State], weights: Sequence[float], prefix: str, rows=slice(None), adapter: str = "default"
+):
     """The weighted sum of the replicas' updates of one MaskLoRA / ScaleLoRA layer (``states``: one trained state
-    per replica) as the merge writes it: dense, the base's shape, float32."""
-    base = layer.get_base_layer().weight
+    per replica) as the merge writes it, for the output ``rows`` of the base weight: dense, float32."""
+    base = layer.get_base_layer().weight[rows]
     product = None
     for w, state in zip(weights, states):
         a = state[f"{prefix}.lora_A.{adapter}.weight"].to(base.device, torch.float32)
-        b = state[f"{prefix}.lora_B.{adapter}.weight"].to(base.device, torch.float32)
+        b = state[f"{prefix}.lora_B.{adapter}.weight"][rows].to(base.device, torch.float32)
         product = w * (b @ a) if product is None else product.add_(b @ a, alpha=w)
-    return product * gate_of(base, layer.variant.kind).float() * layer.scaling[adapter]
+    return product.mul_(gate_of(base, layer.variant.kind).float()).mul_(layer.scaling[adapter])
 
 
 @torch.no_grad()
@@ -214,9 +217,11 @@ def soup_of_states(
             params[name].copy_(average_tensors([s[name] for s in states], weights))
         return model
     for prefix, layer in layers:
-        delta = layer_update(layer, states, weights, prefix)
         weight = params[plain_name(prefix) + ".weight"]
-        weight.add_(delta.to(weight.dtype) * (weight != 0))  # zeros stay exactly zero whatever the sum's rounding
+        for rows in row_blocks(weight):  # a block of rows at a time: never a dense update of the whole layer
+            block = weight[rows]
+            summed = block.float().add_(layer_update(layer, states, weights, prefix, rows).mul_(block != 0))
+            block.copy_(summed)  # rounded once into the base's dtype; zeros stay exactly zero whatever the rounding
     return model
 
 
@@ -242,9 +247,10 @@ def replica_distances(start: nn.Module, states: Sequence[State], args, template=
                 sq[i, j] += float((states[i][name].double() - states[j][name].double()).square().sum())
     else:
         for prefix, layer in lora_layers(template or make_replica(start, args)):
-            deltas = [layer_update(layer, [s], [1.0], prefix) for s in states]
-            for i, j in sq:
-                sq[i, j] += float((deltas[i].double() - deltas[j].double()).square().sum())
+            for rows in row_blocks(layer.get_base_layer().weight):  # a block of each replica's update at a time
+                deltas = [layer_update(layer, [s], [1.0], prefix, rows) for s in states]
+                for i, j in sq:
+                    sq[i, j] += float((deltas[i].double() - deltas[j].double()).square().sum())
     return [v**0.5 for v in sq.values()]
 
 

@@ -46,13 +46,16 @@ class Recorder:
     """
 
     def __init__(
-        self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path, timer=None, achieved=None
+        self, results, world, tests, metric_fn, eval_dataset, test_dataset, example, path, timer=None, plan=None
     ):
         self.results, self.world, self.tests = results, world, tests
         self.metric_fn, self.eval_dataset, self.test_dataset = metric_fn, eval_dataset, test_dataset
         self.example, self.path, self.timer = example, path, timer
         self.eval_seconds = 0.0
-        self.achieved = achieved or (lambda model: {})
+        self.plan = plan  # the units it removed, the weights it prunes
+
+    def achieved(self, model: nn.Module) -> dict:
+        return self.plan.achieved(model, self.example()) if self.plan is not None else {}
 
     def evaluate(self, model: nn.Module, dataset, shared=False) -> float | None:
         """The selection metric on ``dataset``; ``shared=True``: every process calls this with the same model, and
@@ -75,7 +78,7 @@ class Recorder:
         }
         self.eval_seconds = time.perf_counter() - start  # the phase record's evaluation time (replica_scaling.py)
         return {
-            "sparsity": sparsity_report(model)["sparsity"],
+            "sparsity": sparsity_report(model, tensors=self.plan and self.plan.tensors(model))["sparsity"],
             **({"units": units} if units else {}),
             "speedup": theoretical_speedup(model, self.example()),
             "measured_speedup": self.speed(model) if timed and self.timer and self.world.is_main else None,

@@ -27,7 +27,7 @@ from ..adapters.replica import kind_of, make_replica, replica_distances, trained
 from ..adapters.soup import build_subset_soup, subset_soup, subset_weights
 from ..checkpoint.constants import REPLICA_STATE, SPARSITY_NAME
 from ..phase import PhaseResult, PhaseSpec, TrackJob
-from ..pruning.masks import PruningStep
+from ..pruning.masks import PruningStep, WeightZeros
 from ..seeding import derive_seed
 from ..soup.method import SoupMethod, indicator_weights
 from ..soup.soup import soup
@@ -168,6 +168,8 @@ def _prune(ctx, spec: PhaseSpec, held: list[int]) -> tuple[dict, dict, PruningSt
             if spec.prune
             else PruningStep.measure(spec.start, spec.masks or {})
         )
+        if not kind_of(ctx.args).full:  # frozen weights keep their zeros: those are the masks, no bool tensor held
+            step.masks = WeightZeros(spec.start, step.masks)
         return dict.fromkeys(held, spec.start), dict.fromkeys(held, step), step
     masks = spec.masks or {}  # independent tracks: each prunes its own model, no broadcast
     steps = {i: plan.prune(spec.start[i], spec.sparsity, masks.get(i), example) for i in held}

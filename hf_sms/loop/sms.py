@@ -52,8 +52,11 @@ class SparseModelSoup:
     :mod:`hf_sms.loop.distributed`); on one process they train in turn. Both give the same soup.
 
     Args:
-        model: the pretrained (dense or already sparse) model; it is copied, never modified or moved: the run's
-            copies (pruned starts, replicas, soups, baselines) live on the device it trains on, wherever it was loaded.
+        model: the pretrained (dense or already sparse) model. Where one trajectory is all that starts from it (one
+            soup method, no baselines, weight structures) and it is on the device the run trains on, it is pruned
+            and souped in place, as a Trainer trains the model it is given (no second model in memory: pass a copy
+            to keep the original); else it is copied, never modified or moved, and the run's copies (pruned starts,
+            replicas, soups, baselines) live on the device it trains on, wherever it was loaded.
         args: the run's :class:`SparseSoupConfig`.
         train_dataset: retraining data; ``args.validation_fraction`` of it is split off for validation
             (fixed seed) unless ``eval_dataset`` is given.
@@ -134,6 +137,10 @@ class SparseModelSoup:
         check_world(args, self.world)
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
         check_model(args, model, lambda: self.example, warn=self.world.is_main)
+        selection = args.plan.modules.default_note(model)  # a causal LM's embeddings and lm_head stay dense
+        if selection:
+            notes.append(selection)
+            self.model_card["notes"] = notes
         # What training depends on; test sets are measured after it, so adding one keeps the finished replicas.
         fingerprint, defaults = run_fingerprint(args, model, {"train": train_dataset, "eval": eval_dataset})
         self.run_dir = RunDirectory(
@@ -143,7 +150,7 @@ class SparseModelSoup:
         data = (metric_fn, eval_dataset, self.test_dataset, lambda: self.example, self.run_dir.path(RESULTS_FILE))
         timer = (lambda m: plan.timed(self.on_device(m), self.example)) if args.measure_speedup else None
         self.recorder = Recorder(
-            self.results, self.world, self.tests, *data, timer=timer, achieved=lambda m: plan.achieved(m, self.example)
+            self.results, self.world, self.tests, *data, timer=timer, plan=plan
         )
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
@@ -211,7 +218,7 @@ class SparseModelSoup:
         """Algorithm 1 with ``method`` as Merge: every phase starts from the previous phase's ``method`` soup. A
         track (:mod:`hf_sms.loop.rounds`): it yields each phase and receives what the phase gave."""
         a = self.args
-        model, masks = self.copy_pretrained(), None
+        model, masks = self.trajectory_start(), None
         for p, sparsity in enumerate(self.phases):
             # Phase 1 starts from the same pruned model in every trajectory: its replicas are trained once.
             folder = phase_folder("sms" if p == 0 or method == a.merge_methods[0] else f"sms-{method}", p)
@@ -355,6 +362,26 @@ class SparseModelSoup:
         one, so its pruning, soups, BatchNorm recalibration and scoring run there too, not where the user's model
         was loaded (the CPU, typically: a GPU run would score its soups on the CPU)."""
         return copy.deepcopy(self.pretrained).to(self.device)
+
+    def trajectory_start(self) -> nn.Module:
+        """What a trajectory prunes: a copy of the pretrained model (:meth:`copy_pretrained`), or, where nothing else
+        of the run starts from it (one soup method, no baselines, weight structures) and it is on the device the run
+        trains on, the model itself: pruned and souped in place, as a Trainer trains the model it is given, so that
+        a phase holds one model, not two (an LLM's weights are most of the memory)."""
+        a = self.args
+        if (
+            len(a.merge_methods) == 1
+            and not a.baselines
+            and not a.plan.cuts_units
+            and is_on(self.pretrained, self.device)
+        ):
+            if self.world.is_main:
+                logger.info(
+                    "[hf-sms] the run prunes and soups the model it was given in place (nothing else starts "
+                    "from it): pass a copy to keep the original"
+                )
+            return self.pretrained
+        return self.copy_pretrained()
 
     def on_device(self, model: nn.Module) -> nn.Module:
         """``model`` on the device the run trains on (its soups are timed there, and the record says so): itself if

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -13,7 +14,9 @@ from torch import nn
 from ..pruning.allocations import get_allocation, parse_n_of_m
 from ..pruning.criteria import CriterionContext, criterion_scores
 from ..pruning.masks import PruningStep, apply_masks, check_sparsity, validate_masks
-from ..pruning.prunable import Masks, call_order_uses, check_weights_loaded
+from ..pruning.prunable import Masks, PrunableTensor, call_order_uses, check_weights_loaded
+from ..pruning.selection import ModuleSelection
+from ..pruning.select import LazyMapping
 from ..registry import ALLOCATIONS, CRITERIA
 from .structures import Final, Structure, get_structure
 
@@ -29,6 +32,7 @@ class PruningPlan:
     structure: Structure = None
     criterion: str = "magnitude"
     seed: int = 0
+    modules: ModuleSelection = ModuleSelection()
 
     @property
     def units(self) -> str:
@@ -43,6 +47,7 @@ class PruningPlan:
     def describe(self) -> dict:
         """The plan as names (run folders, sparsity.json, the card)."""
         out = {"allocation": self.allocation, "structure": self.structure.name, "criterion": self.criterion}
+        out.update(self.modules.describe())
         if self.units == "units":
             out.update(unit_multiple=self.structure.unit_multiple, fit_config=self.structure.fit_config)
         return out
@@ -52,27 +57,38 @@ class PruningPlan:
         """Masks for ``model`` at ``sparsity`` (see :func:`compute_masks`)."""
         check_sparsity(sparsity)
         check_weights_loaded(model)  # the reason, not torch's "Cannot copy out of meta tensor"
-        tensors = list(validate_masks(model, masks or {}).values())
+        validate_masks(model, masks or {})
+        tensors = self.tensors(model)
         if not tensors:
             raise ValueError("model has no prunable weights (linear, convolution or embedding layers)")
         if example_inputs is not None:
             uses = call_order_uses(model, example_inputs)
             tensors = [replace(t, uses=tuple(uses.get(id(t.param), ()))) for t in tensors]
-        given = masks or {}
-        current = {
-            t.name: given[t.name].to(t.param.device) if t.name in given else torch.ones_like(t.param, dtype=torch.bool)
-            for t in tensors
-        }
-        # the weights themselves where their pruned entries are zero already (criteria never write to them): no copy
-        weights = {
-            t.name: t.param.detach().float()
-            if t.name not in given or _zero_where_pruned(t.param, current[t.name])
-            else t.param.detach().float() * current[t.name]
-            for t in tensors
-        }
+        given, params = masks or {}, {t.name: t.param for t in tensors}
+
+        def current_mask(name: str) -> torch.Tensor:
+            p = params[name]
+            return given[name].to(p.device) if name in given else torch.ones_like(p, dtype=torch.bool)
+
+        @functools.cache
+        def zero_where_pruned(name: str) -> bool:
+            return name not in given or _zero_where_pruned(params[name], current_mask(name))
+
+        def weight(name: str) -> torch.Tensor:  # the weight itself in float32 (no copy) where its pruned entries are 0
+            w = params[name].detach().float()
+            return w if zero_where_pruned(name) else w * current_mask(name)
+
+        # Made as they are read, one tensor at a time: a model's masks (a quarter of its fp32 bytes) and, for a
+        # bf16 model, its float32 weights (twice its bytes) are never held at once (the criteria may hold scores).
+        current, weights = LazyMapping(params, current_mask), LazyMapping(params, weight)
         context = CriterionContext(model, example_inputs, self.seed)
         scores = criterion_scores(self.criterion, tensors, weights, context)
-        return self.structure.masks(model, tensors, scores, current, float(sparsity), example_inputs)
+        new = self.structure.masks(model, tensors, scores, current, float(sparsity), example_inputs)
+        return {**{n: given[n] for n in given if n not in new}, **new}  # masks only grow, selected or not
+
+    def tensors(self, model: nn.Module) -> list[PrunableTensor]:
+        """The prunable weights this plan prunes in ``model`` (:mod:`hf_sms.pruning.selection`)."""
+        return self.modules.tensors(model)
 
     def prune(
         self,
@@ -137,6 +153,8 @@ def resolve_pruning(
     seed: int = 0,
     unit_multiple: int = 1,
     fit_config: bool = True,
+    prune_modules=None,
+    skip_modules=None,
 ) -> PruningPlan:
     """The :class:`PruningPlan` these names ask for, checked; ``ValueError`` for a name or a combination that does
     not exist, before any work.
@@ -172,7 +190,8 @@ def resolve_pruning(
         )
     if isinstance(unit_multiple, bool) or not isinstance(unit_multiple, int) or unit_multiple < 1:
         raise ValueError(f"unit_multiple={unit_multiple!r} must be a positive integer (e.g. 8)")
-    return PruningPlan(allocation, found.configured(allocation, criterion, unit_multiple, fit_config), criterion, seed)
+    structure = found.configured(allocation, criterion, unit_multiple, fit_config)
+    return PruningPlan(allocation, structure, criterion, seed, ModuleSelection.of(prune_modules, skip_modules))
 
 
 @torch.no_grad()
@@ -188,6 +207,8 @@ def compute_masks(
     seed: int = 0,
     unit_multiple: int = 1,
     fit_config: bool = True,
+    prune_modules=None,
+    skip_modules=None,
 ) -> Masks:
     """Pruning masks for ``model`` at ``sparsity``: ``criterion`` x ``structure`` x ``allocation``.
 
@@ -212,13 +233,17 @@ def compute_masks(
         unit_multiple: units: every group keeps a multiple of this many (the next best units stay).
         fit_config: units: prune only units the model family's own config can state, so :func:`hf_sms.shrink`
             gives a model its library loads by itself; False: every unit the graph has.
+        prune_modules, skip_modules: the modules to prune and those to leave dense, in the form of peft's
+            ``target_modules`` (names or their last parts, e.g. ``["q_proj", "v_proj"]``, or one regular expression
+            as a string). Default: every prunable weight; a causal LM's decoder linear layers (its embeddings and
+            ``lm_head`` stay dense, as Wanda and SparseGPT leave them). :mod:`hf_sms.pruning.selection`.
 
     Returns:
         ``{parameter name: bool tensor}`` on the weights' devices, ``True`` where the weight is kept.
         Exactly ``round(sparsity * n)`` weights (or units) are pruned per allocation unit unless earlier masks
         already prune more.
     """
-    plan = resolve_pruning(allocation, structure, criterion, seed, unit_multiple, fit_config)
+    plan = resolve_pruning(allocation, structure, criterion, seed, unit_multiple, fit_config, prune_modules, skip_modules)
     return plan.masks(model, sparsity, masks, example_inputs)
 
 

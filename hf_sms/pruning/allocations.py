@@ -19,7 +19,7 @@ import torch
 
 from ..registry import ALLOCATIONS
 from .prunable import Masks, PrunableTensor, first_use, last_use
-from .select import ElementwiseScores, top_k
+from .select import ElementwiseScores, Lazy, top_k
 
 Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
 register_allocation = ALLOCATIONS.register
@@ -47,14 +47,16 @@ def _n_keep(numel: int, sparsity: float, alive: int) -> int:
 def _global_top(tensors, scores: dict[str, torch.Tensor], masks: Masks, sparsity: float) -> Masks:
     # an elementwise criterion's scores computed chunk by chunk from the weights, never all at once
     lazy = isinstance(scores, ElementwiseScores)
-    given = [(scores.weights if lazy else scores)[t.name] for t in tensors]
-    if all(s.dtype != torch.float64 for s in given):  # no concatenated copy (pruning/select.py)
+    if lazy or all(scores[t.name].dtype != torch.float64 for t in tensors):  # no concatenated copy (select.py)
         numel = sum(t.param.numel() for t in tensors)
         alive = sum(int(torch.count_nonzero(masks[t.name])) for t in tensors)  # a bool sum() upcasts to int64
         n_keep = _n_keep(numel, sparsity, alive)
-        on = [masks[t.name].to(s.device) for t, s in zip(tensors, given)]
-        kept = top_k(given, on, n_keep, transform=scores.fn if lazy else None)
-        return {t.name: keep.to(masks[t.name].device) for t, keep in zip(tensors, kept)}
+        given, names = scores.weights if lazy else scores, [t.name for t in tensors]
+        # one tensor's scores (or float32 weights) and mask at a time: the masks may be made as they are read
+        on = Lazy(tensors, lambda t: masks[t.name].to(t.param.device))
+        like = [t.param for t in tensors]
+        kept = top_k(Lazy(names, given.__getitem__), on, n_keep, transform=scores.fn if lazy else None, like=like)
+        return {t.name: keep for t, keep in zip(tensors, kept)}
     flat = torch.cat([_masked_scores(scores[t.name], masks[t.name]).reshape(-1) for t in tensors])
     alive = int(sum(int(masks[t.name].sum()) for t in tensors))
     keep = _keep_top(flat, _n_keep(flat.numel(), sparsity, alive))

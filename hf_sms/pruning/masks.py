@@ -8,6 +8,7 @@ prunable lives in :mod:`hf_sms.pruning.prunable`, how sparsity is spread over th
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -71,15 +72,36 @@ def masks_from_model(model: nn.Module) -> Masks:
     return {t.name: t.param.detach() != 0 for t in prunable_tensors(model)}
 
 
+class WeightZeros(Mapping):
+    """The masks of a pruned model read off its weights' zeros when asked for (``{name: weight != 0}``), never held.
+    Where training never moves a pruned weight's zero, nor a kept one to zero (subset replicas: the weights are
+    frozen, a MaskLoRA update is gated by them), these are the run's masks exactly, for none of the memory a bool
+    tensor per weight takes (a quarter of a model's float32 bytes, half its bfloat16 ones)."""
+
+    def __init__(self, model: nn.Module, names):
+        tensors = {t.name: t.param for t in prunable_tensors(model)}
+        self._params = {n: tensors[n] for n in names}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._params[name].detach() != 0
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
 @torch.no_grad()
-def sparsity_report(model: nn.Module, masks: Masks | None = None) -> dict:
-    """Measured sparsity: fraction of exact zeros in the prunable weights, globally and per tensor.
+def sparsity_report(model: nn.Module, masks: Masks | None = None, tensors=None) -> dict:
+    """Measured sparsity: fraction of exact zeros in the prunable weights (``tensors``: those a plan prunes,
+    :meth:`hf_sms.plan.PruningPlan.tensors`), globally and per tensor.
 
     Units removed (filters, neurons, heads) are the plan's to say (:meth:`hf_sms.plan.PruningPlan.achieved`). If
     ``masks`` is given, also reports the mask's sparsity, so the two can be compared.
     """
     per_tensor, zeros, numel = {}, 0, 0
-    for t in prunable_tensors(model):
+    for t in prunable_tensors(model) if tensors is None else tensors:
         z = t.param.numel() - int(torch.count_nonzero(t.param))  # no int64 copy, as (x == 0).sum() makes
         per_tensor[t.name] = {"sparsity": z / t.param.numel(), "zeros": z, "numel": t.param.numel()}
         zeros, numel = zeros + z, numel + t.param.numel()

@@ -34,6 +34,40 @@ class ElementwiseScores(Mapping):
         return len(self.weights)
 
 
+class Lazy(Sequence):
+    """``[make(key) for key in keys]``, each made when it is asked for and never held: a model's scores, weights in
+    float32 or masks, one tensor at a time (a model's worth of memory when made all at once)."""
+
+    def __init__(self, keys, make: Callable):
+        self.keys, self.make = list(keys), make
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Lazy(self.keys[i], self.make)
+        return self.make(self.keys[i])
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class LazyMapping(Mapping):
+    """``{key: make(key)}``, each made when it is asked for and never held (as :class:`Lazy`)."""
+
+    def __init__(self, keys, make: Callable):
+        self._keys, self.make = dict.fromkeys(keys), make
+
+    def __getitem__(self, key):
+        if key not in self._keys:
+            raise KeyError(key)
+        return self.make(key)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 def _keys(scores: torch.Tensor) -> torch.Tensor:
     """Non-negative int64 keys ordered as the float32 scores (IEEE bits, negatives reversed, shifted by 2^31)."""
     raw = scores.float().contiguous().view(torch.int32).to(torch.int64)
@@ -52,17 +86,22 @@ def _chunks(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], trans
             yield i, _keys(part), start
 
 
-def top_k(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int, transform=None) -> list[torch.Tensor]:
+def top_k(
+    scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int, transform=None, like=None
+) -> list[torch.Tensor]:
     """Bool masks keeping exactly the ``k`` largest scores over all tensors (float32 or narrower; entries whose mask
     is False rank lowest), ties broken by position with the tensors in order. ``transform``: the scores are
-    ``transform(scores)``, applied chunk by chunk (:class:`ElementwiseScores`: ``scores`` are then the weights)."""
-    out = [torch.zeros(s.numel(), dtype=torch.bool, device=s.device) for s in scores]
-    total = sum(s.numel() for s in scores)
+    ``transform(scores)``, applied chunk by chunk (:class:`ElementwiseScores`: ``scores`` are then the weights).
+    ``scores`` and ``masks`` are read one tensor at a time, in order: they may be made as they are asked for
+    (:class:`Lazy`), given ``like``, tensors of their shapes and devices (the weights)."""
+    like = list(scores) if like is None else like
+    out = [torch.zeros(s.numel(), dtype=torch.bool, device=s.device) for s in like]
+    total = sum(s.numel() for s in like)
     if k >= total:
-        return [o.fill_(True).view(s.shape) for o, s in zip(out, scores)]
+        return [o.fill_(True).view(s.shape) for o, s in zip(out, like)]
     prefix, need = 0, k  # among keys that start with ``prefix``, the ``need`` largest are still to keep
     for shift in (24, 16, 8, 0):
-        hist = torch.zeros(256, dtype=torch.int64, device=scores[0].device)
+        hist = torch.zeros(256, dtype=torch.int64, device=like[0].device)
         for _, keys, _ in _chunks(scores, masks, transform) if k > 0 else ():
             if shift < 24:
                 keys = keys[(keys >> (shift + 8)) == prefix]
@@ -79,4 +118,4 @@ def top_k(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int,
             keep[equal] = True
             ties -= equal.numel()
         out[i][start : start + keys.numel()] = keep
-    return [o.view(s.shape) for o, s in zip(out, scores)]
+    return [o.view(s.shape) for o, s in zip(out, like)]

@@ -9,6 +9,7 @@ from torch import nn
 
 from ...batchnorm import forward_batch
 from ..prunable import _layer_weights, accepts_labels, unfused_attention
+from ..select import LazyMapping
 from . import register_criterion
 
 
@@ -48,11 +49,14 @@ def wanda(tensors, weights, context):
     if context.example_inputs is None:
         raise ValueError("criterion='wanda' scores weights by their inputs: pass a batch as example_inputs")
     norms = input_norms(context.model, context.example_inputs)
-    out = {}
-    for t in tensors:
-        w, norm = weights[t.name].abs(), norms.get(id(t.param))
+    by_name = {t.name: t for t in tensors}
+
+    def scores(name: str) -> torch.Tensor:
+        t = by_name[name]
+        w, norm = weights[name].abs(), norms.get(id(t.param))
         if norm is not None and t.kind == "linear" and w.dim() == 2:
             norm = norm.to(w.device)
             w = w * (norm[:, None] if t.transposed else norm[None, :])  # Conv1D stores (in, out)
-        out[t.name] = w
-    return out
+        return w
+
+    return LazyMapping(by_name, scores)  # one layer's scores at a time, as a per-layer allocation reads them
