@@ -49,7 +49,8 @@ if s["shape"] == "llama7b":
     config = LlamaConfig(vocab_size=512, hidden_size=4096, intermediate_size=11008, num_hidden_layers=s["layers"],
                          num_attention_heads=32, num_key_value_heads=32, pad_token_id=0)
     model, metric = LlamaForCausalLM(config), NegativePerplexity()
-    rows = [{"input_ids": (x := torch.randint(1, 512, (s["seq"],), generator=g)), "labels": x.clone()} for _ in range(64)]
+    ids = [torch.randint(1, 512, (s["seq"],), generator=g) for _ in range(64)]
+    rows = [{"input_ids": x, "labels": x.clone()} for x in ids]
 else:
     h = s["hidden"]
     config = LlamaConfig(vocab_size=32000, hidden_size=h, intermediate_size=h * 8 // 3, num_hidden_layers=s["layers"],
@@ -68,7 +69,8 @@ before, peak, t0 = rss(), [0], time.perf_counter()
 peak[0] = before
 def show(what):
     if s["timeline"]:
-        print(f"{time.perf_counter() - t0:7.1f}s  rss +{(rss() - before) / 2**30:5.2f}  peak +{(peak[0] - before) / 2**30:5.2f} GiB  {what}", flush=True)
+        now, top = (rss() - before) / 2**30, (peak[0] - before) / 2**30
+        print(f"{time.perf_counter() - t0:7.1f}s  rss +{now:5.2f}  peak +{top:5.2f} GiB  {what}", flush=True)
 if s["timeline"]:
     def sample():
         while True:
@@ -97,7 +99,8 @@ if s["timeline"]:
 settings = dict(output_dir=tempfile.mkdtemp(), target_sparsity=0.5, n_phases=1, num_replicas=s["replicas"],
                 max_steps=s["steps"], per_device_train_batch_size=4, per_device_eval_batch_size=8, learning_rate=1e-4,
                 optim="adamw_torch", disable_tqdm=True, report_to="none", seed=0, replica_params=s["kind"],
-                retrain_schedule="llr", lora_rank=16, lora_alpha=32, use_cpu=not cuda, bf16=cuda and s["dtype"] != "bf16",
+                retrain_schedule="llr", lora_rank=16, lora_alpha=32, use_cpu=not cuda,
+                bf16=cuda and s["dtype"] != "bf16",
                 gradient_checkpointing=s["checkpointing"])
 if not s["defaults"]:
     settings.update(measure_speedup=False, recalibrate_bn=False)
@@ -169,13 +172,15 @@ for r in range(cli.rounds):
             runs.setdefault((code, *setting.values()), []).append(json.loads(lines[-1]))
 
 first = next(iter(runs.values()))[0]
+share = 100 * first["linear"] / first["params"]
 print(
-    f"{cli.shape}: {first['params'] / 1e6:.1f}M parameters at {layers[0]} layer(s), {100 * first['linear'] / first['params']:.1f}% "
-    f"in linear layers; {cli.dtype}; {steps} steps per replica, {seq} tokens, {cli.rounds} round(s) (median)"
+    f"{cli.shape}: {first['params'] / 1e6:.1f}M parameters at {layers[0]} layer(s), {share:.1f}% in linear layers; "
+    f"{cli.dtype}; {steps} steps per replica, {seq} tokens, {cli.rounds} round(s) (median)"
     + (", gradient checkpointing" if cli.gradient_checkpointing else "")
 )
 memory = "added RSS" if cli.device == "cpu" else "CUDA peak"
-print(f"{'code':>4} {'replica_params':>14} {'layers':>6} {'m':>2} {'settings':>9} {memory:>10} {'x model':>8} {'vs all':>7} {'s':>6}")
+head = f"{'code':>4} {'replica_params':>14} {'layers':>6} {'m':>2} {'settings':>9} {memory:>10} {'x model':>8}"
+print(f"{head} {'vs all':>7} {'s':>6}")
 med = {key: statistics.median(x["added"] for x in xs) for key, xs in runs.items()}
 for key, xs in runs.items():
     code, kind, n, m, defaults = key
@@ -192,18 +197,25 @@ for code in codes:  # the slopes: one decoder layer more, one replica more
         if len(layers) > 1 and all(v is not None for _, v in pairs):
             (n0, a0), (n1, a1) = pairs[0], pairs[-1]
             per = (a1 - a0) / (n1 - n0)
-            layer_bytes = (runs[(code, kind, n1, cli.replicas[-1], False)][0]["bytes"]
-                           - runs[(code, kind, n0, cli.replicas[-1], False)][0]["bytes"]) / (n1 - n0)
+            layer_bytes = (
+                runs[(code, kind, n1, cli.replicas[-1], False)][0]["bytes"]
+                - runs[(code, kind, n0, cli.replicas[-1], False)][0]["bytes"]
+            ) / (n1 - n0)
             fixed = a0 - per * n0
-            print(f"{code} {kind}: one decoder layer more adds {per / layer_bytes:.2f}x its bytes "
-                  f"({per / 2**30:.2f} GiB); what does not grow with depth: {fixed / 2**30:.2f} GiB")
+            print(
+                f"{code} {kind}: one decoder layer more adds {per / layer_bytes:.2f}x its bytes "
+                f"({per / 2**30:.2f} GiB); what does not grow with depth: {fixed / 2**30:.2f} GiB"
+            )
         if len(cli.replicas) > 1:
             n = layers[-1]
             a, b = med.get((code, kind, n, cli.replicas[0], False)), med.get((code, kind, n, cli.replicas[-1], False))
             if a is not None and b is not None:
                 each = (b - a) / (cli.replicas[-1] - cli.replicas[0])
                 size = runs[(code, kind, n, cli.replicas[-1], False)][0]["bytes"]
-                print(f"{code} {kind}: one replica more adds {each / size:.3f}x the model ({each / 2**30:.2f} GiB) at {n} layer(s)")
+                print(
+                    f"{code} {kind}: one replica more adds {each / size:.3f}x the model ({each / 2**30:.2f} GiB) "
+                    f"at {n} layer(s)"
+                )
     if cli.defaults:
         for kind in cli.kinds:
             n, m = layers[0], cli.replicas[-1]

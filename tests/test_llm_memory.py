@@ -18,8 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_sms import SparseSoupConfig, compute_masks, prune, run_sms
 from hf_sms.adapters import lora
-from hf_sms.adapters.replica import layer_update, lora_layers, make_replica, replica_distances, soup_of_states
 from hf_sms.adapters.merge import plain_name
+from hf_sms.adapters.replica import layer_update, lora_layers, make_replica, replica_distances, soup_of_states
 from hf_sms.evaluation.metrics import NegativePerplexity
 from hf_sms.pruning.criteria.wanda import input_norms
 from hf_sms.pruning.masks import WeightZeros, apply_masks
@@ -153,7 +153,7 @@ def _states(model, args, n):
         replica = make_replica(model, args)
         g = torch.Generator().manual_seed(i)
         with torch.no_grad():
-            for name, p in replica.named_parameters():
+            for p in replica.parameters():
                 if p.requires_grad:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         out.append({k: v.detach().clone() for k, v in replica.named_parameters() if v.requires_grad})

@@ -54,7 +54,13 @@ def _craft(good: str, bad: str, way: str, marker: str) -> None:
     os.remove(bad)
     with PT2ArchiveWriter(bad) as w:  # the writer adds its own version entries
         for name, data in entries.items():
-            if name not in ("archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id"):
+            if name not in (
+                "archive_format",
+                "archive_version",
+                ".data/version",
+                "byteorder",
+                ".data/serialization_id",
+            ):
                 w.write_bytes(name, data)
 
 

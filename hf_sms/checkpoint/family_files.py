@@ -10,8 +10,8 @@ import os
 import re
 
 from ..families import Family, literal
-from .constants import CONFIG_NAME, FORMAT_VERSION, PROGRAM, QUANT_METHOD, QUANT_METHODS, TIMM_WIDTHS, WEIGHTS_NAME
 from . import program_check
+from .constants import CONFIG_NAME, FORMAT_VERSION, PROGRAM, QUANT_METHOD, QUANT_METHODS, TIMM_WIDTHS, WEIGHTS_NAME
 from .folder import read_json, write_json
 
 

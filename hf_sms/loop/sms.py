@@ -149,9 +149,7 @@ class SparseModelSoup:
         plan, self.started = args.plan, time.time()
         data = (metric_fn, eval_dataset, self.test_dataset, lambda: self.example, self.run_dir.path(RESULTS_FILE))
         timer = (lambda m: plan.timed(self.on_device(m), self.example)) if args.measure_speedup else None
-        self.recorder = Recorder(
-            self.results, self.world, self.tests, *data, timer=timer, plan=plan
-        )
+        self.recorder = Recorder(self.results, self.world, self.tests, *data, timer=timer, plan=plan)
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
     def set_phases(self, sparsities: list[float]) -> None:

@@ -15,8 +15,8 @@ from ..pruning.allocations import get_allocation, parse_n_of_m
 from ..pruning.criteria import CriterionContext, criterion_scores
 from ..pruning.masks import PruningStep, apply_masks, check_sparsity, validate_masks
 from ..pruning.prunable import Masks, PrunableTensor, call_order_uses, check_weights_loaded
-from ..pruning.selection import ModuleSelection
 from ..pruning.select import LazyMapping
+from ..pruning.selection import ModuleSelection
 from ..registry import ALLOCATIONS, CRITERIA
 from .structures import Final, Structure, get_structure
 
@@ -243,7 +243,9 @@ def compute_masks(
         Exactly ``round(sparsity * n)`` weights (or units) are pruned per allocation unit unless earlier masks
         already prune more.
     """
-    plan = resolve_pruning(allocation, structure, criterion, seed, unit_multiple, fit_config, prune_modules, skip_modules)
+    plan = resolve_pruning(
+        allocation, structure, criterion, seed, unit_multiple, fit_config, prune_modules, skip_modules
+    )
     return plan.masks(model, sparsity, masks, example_inputs)
 
 

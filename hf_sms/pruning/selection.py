@@ -56,7 +56,9 @@ def _check(field: str, modules, tensors: list[PrunableTensor]) -> None:
         try:
             re.compile(modules)
         except re.error as e:
-            raise ValueError(f"{field}={modules!r} is not a regular expression ({e}); or give a list of names") from None
+            raise ValueError(
+                f"{field}={modules!r} is not a regular expression ({e}); or give a list of names"
+            ) from None
         found = any(matches(modules, _module(t)) for t in tensors)
         missing = [] if found else [modules]
     else:
