@@ -65,12 +65,15 @@ def as_sparse_arguments(args, base: type = TrainingArguments):
     return target(**values)
 
 
-def departures(args) -> list[str]:
+def departures(args, model=None) -> list[str]:
     """Where ``args`` retrain differently from the paper's settings (SparseSoupConfig's defaults): an arguments
     class's own defaults (Seq2SeqTrainingArguments, trl's SFTConfig) clip gradients and exempt biases and norms from
-    decay; replicas that train a subset (``replica_params``). The SMS loop says these in its log, results.json and
-    the model card's notes."""
+    decay; replicas that train a subset (``replica_params``); with ``model``, weights its plan leaves dense (a causal
+    LM's embeddings and lm_head). The SMS loop says these in its log, results.json and the model card's notes."""
     out = []
+    plan = getattr(args, "plan", None)
+    if model is not None and plan is not None and plan.modules.default_note(model):
+        out.append(plan.modules.default_note(model))
     kind = getattr(args, "replica_params", "all")
     if kind != "all":  # the baselines train it too, so the rows compare like with like
         out.append(

@@ -30,7 +30,7 @@ from .checkpoint.trainer_masks import load_pruning_step, save_masks
 from .config_checks import LR_SCHEDULES
 from .families import family_of
 from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy, unwrap_optimizer
-from .pruning.masks import PruningStep, apply_masks, is_sharded, masks_from_model
+from .pruning.masks import PruningStep, apply_masks, is_sharded
 from .pruning.prunable import Masks
 from .schedules import PRETRAIN_SHAPES, ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
 from .seeding import EpochShuffleSampler
@@ -149,11 +149,8 @@ class SparseSoupMixin:
                     args.label_names = ["labels"]
         super().__init__(model=model, args=args, **kwargs)
         self.adapted = isinstance(self.model, nn.Module) and adapted(self.model)
-        if masks is None and self.adapted and own:  # the user's LoRA on a pruned model: train under its zeros
-            step = PruningStep.measure(self.model, masks_from_model(self.model))
-            logger.info("[hf-sms] the model holds adapters: training under its weights' zeros (no pruning here)")
-        elif masks is None:
-            step = args.plan.prune(self.model, args.target_sparsity, example_inputs=self._example_batch())
+        if masks is None:  # a model that arrives with zeros keeps them (PruningPlan.arriving)
+            step = args.plan.arriving(self.model, args.target_sparsity, self.adapted, self._example_batch)
         elif isinstance(masks, PruningStep):
             step = dataclasses.replace(masks, masks=adapter_masks(self.model, masks.masks)) if self.adapted else masks
         else:

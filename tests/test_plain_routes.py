@@ -14,6 +14,8 @@ from zoo import ZOO, _hf, _image, _timm, _tokens
 
 import hf_sms
 from hf_sms.checkpoint.family_files import plain_route_lines
+from hf_sms.checkpoint.inspect import inspect_checkpoint
+from hf_sms.checkpoint.integrity import CorruptionError
 from hf_sms.pruning.masks import apply_masks
 from hf_sms.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 
@@ -32,7 +34,9 @@ CASES = {  # name: (model, batch, structure, the route its folder gets with the 
     "regnety": (_timm("regnety_002", num_classes=4), _image(32), "filters", "torch.export"),  # grouped convs
     "bloom": (_hf("BloomForCausalLM", "BloomConfig", vocab_size=64, hidden_size=16, n_layer=2, n_head=2),
               _tokens, "neurons", "torch.export"),
-    "bart_heads": (ZOO["bart"].make, lambda: {"input_ids": _tokens()["input_ids"]}, "heads", "torch.export"),
+    # the family's own example for a seq2seq model names both inputs: the program takes both
+    "bart_heads": (ZOO["bart"].make, lambda: _tokens(decoder_input_ids=_tokens(length=5)["input_ids"]), "heads",
+                   "torch.export"),
     "smp_pspnet": (_pspnet, _image(64), "filters", "smp"),  # its config states the decoder: smp loads it
     "smp_pspnet_every_unit": (_pspnet, _image(64), "filters", "torch.export"),  # fit_config=False: the encoder too
     "torchvision_resnet": (ZOO["torchvision_resnet"].make, _image(32), "filters", "torch.export"),
@@ -76,8 +80,11 @@ def test_smaller_models_load_without_hf_sms(tmp_path):
         smaller, x = _smaller(name)
         folder = tmp_path / name
         # no record passed: found by its shapes against its config; a plain torch model has none, a run records it
-        recipe = {"shrunk": ShrinkRecord(SMALLER, cut=IN_PLACE).to_json()} if "torchvision" in name else None
-        hf_sms.save_sparse(smaller, str(folder), "dense", recipe=recipe, example_inputs=x)
+        # the defaults (issue 49 item 8): the format and the example batch (of one) the family makes; a plain torch
+        # model makes none, so it is given the batch
+        torch_model = "torchvision" in name
+        recipe = {"shrunk": ShrinkRecord(SMALLER, cut=IN_PLACE).to_json()} if torch_model else None
+        hf_sms.save_sparse(smaller, str(folder), recipe=recipe, example_inputs=x if torch_model else None)
         recipe = json.loads((folder / "sparsity.json").read_text()).get("recipe") or {}
         card = (folder / "README.md").read_text()
         assert "No hf-sms needed" in card, name
@@ -86,7 +93,8 @@ def test_smaller_models_load_without_hf_sms(tmp_path):
             jobs[name] = (str(folder), OWN[route].format(f=str(folder)))
         else:
             assert (recipe["shrunk"]["cut"], recipe["shrunk"].get("plain")) == ("in place", route), name
-            assert ("pruned.txt" if route == "timm" else "model.pt2") in card, name
+            route_file = "pruned.txt" if route == "timm" else "model.pt2"
+            assert route_file in card and route_file in json.loads((folder / "sparsity.json").read_text())["files"]
             jobs[name] = (str(folder), "\n".join(plain_route_lines(route, str(folder), hub=False)))
         save_file({"x": x} if torch.is_tensor(x) else x, str(folder / "batch.safetensors"))
         with torch.no_grad():
@@ -104,6 +112,10 @@ def test_smaller_models_load_without_hf_sms(tmp_path):
     got = load_file(str(out))
     for name, y in expected.items():
         torch.testing.assert_close(got[name], y, rtol=1e-4, atol=1e-5, msg=name)
+    widths = tmp_path / "efficientnet_b0" / "pruned.txt"  # the card tells users to run it: the manifest covers it
+    widths.write_text(widths.read_text().replace("[", "[1", 1))
+    with pytest.raises(CorruptionError, match="pruned.txt"):
+        inspect_checkpoint(str(tmp_path / "efficientnet_b0"))
 
 
 def test_an_exported_program_takes_other_batch_sizes_and_lengths(tmp_path):

@@ -14,9 +14,12 @@ import zipfile
 import pytest
 import torch
 from conftest import without_hf_sms
+from peft import LoraConfig, get_peft_model
+from transformers import Trainer
 from zoo import _hf, _tokens
 
 import hf_sms
+from hf_sms import SparseSoupConfig, SparseSoupMixin
 from hf_sms.checkpoint.family_files import plain_route_lines
 from hf_sms.checkpoint.inspect import inspect_checkpoint
 from hf_sms.checkpoint.integrity import CorruptionError
@@ -149,3 +152,36 @@ def test_check_program_refuses_every_entry_torch_would_unpickle_or_run(tmp_path)
                 z.writestr(name, data)
         with pytest.raises(ValueError, match="do not load it"):
             check_program(str(bad))
+
+
+class _AddsLora(Trainer):
+    """A trainer class that wraps the model in peft inside its ``__init__``, as trl's SFTTrainer does with
+    ``peft_config``."""
+
+    def __init__(self, model=None, args=None, peft_config=None, **kwargs):
+        super().__init__(model=get_peft_model(model, peft_config), args=args, **kwargs)
+
+
+class _SparseAddsLora(SparseSoupMixin, _AddsLora):
+    pass
+
+
+def _lm_rows(n=8):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": (x := torch.randint(1, 64, (8,), generator=g)), "labels": x.clone()} for _ in range(n)]
+
+
+@pytest.mark.parametrize("arrives", [0.5, 0.0])
+def test_a_trainer_that_adds_adapters_keeps_a_pruned_models_mask_and_prunes_an_unpruned_one(tmp_path, arrives):
+    """trl's idiom (SFTTrainer(model, peft_config=...)) on a model pruned to 50%: its zeros are the mask, not the
+    default target_sparsity 0.9 (it pruned the base again, silently); an unpruned base is pruned to the target."""
+    model = _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=64, hidden_size=32, intermediate_size=48,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)()  # fmt: skip
+    if arrives:
+        hf_sms.prune(model, arrives)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    args = SparseSoupConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none",
+                            use_cpu=True, target_sparsity=0.5 if not arrives else 0.9)  # fmt: skip
+    trainer = _SparseAddsLora(model=model, args=args, peft_config=lora, train_dataset=_lm_rows())
+    kept = sum(int(m.sum()) for m in trainer.masks.values()) / sum(m.numel() for m in trainer.masks.values())
+    assert kept == pytest.approx(0.5, abs=1e-3)  # the arriving 50%, or the target 50%; never 0.9

@@ -21,13 +21,15 @@ from ..soup.averaging import Accumulator
 from ..soup.method import SoupMethod, Tensors
 from .card import write_card
 from .codec import decode_tensor, index_info, mask_part, restamp_index, verified
+from .compressed_tensors import is_compressed_folder, load_compressed
 from .constants import FORMATS, INDEX_SUFFIX, WEIGHTS_NAME
 from .family_files import write_config
-from .folder import atomic_folder, check_target, copy_companion_files, weight_files, write_sparsity
+from .folder import atomic_folder, check_target, copy_companion_files, read_sparsity, weight_files, write_sparsity
 from .integrity import weight_manifest
 from .masks import eligible
 from .reader import SparseCheckpoint
 from .safetensors_io import WeightsWriter
+from .sparse import save_sparse
 
 CHUNK = 1 << 22  # elements per step of the dense merge: memory is the output plus a few such chunks
 
@@ -212,7 +214,15 @@ def _merge_tensor(ckpts, name: str, weight: list[float], spec: SoupMethod, write
 def convert_checkpoint(directory: str, output: str, format: str = "dense", overwrite: bool = False) -> dict:
     """A copy of a checkpoint folder in ``format`` (``"dense"``: the family's plain format, loads without hf-sms),
     streamed tensor by tensor with its recipe, results and companion files; any family, plain torch models too.
-    Returns the ``sparsity.json`` written; ``directory`` is never changed."""
+    Returns the ``sparsity.json`` written; ``directory`` is never changed. A compressed-tensors sparse folder
+    (:mod:`hf_sms.checkpoint.compressed_tensors`) becomes an hf-sms folder of its model, its mask kept."""
+    if is_compressed_folder(directory):
+        if os.path.isdir(output) and os.listdir(output) and not overwrite:
+            raise ValueError(f"{output} exists and is not empty: pass overwrite=True (--overwrite) to replace it")
+        if os.path.abspath(output) == os.path.abspath(directory):
+            raise ValueError("the output folder is the input folder: give another --output")
+        save_sparse(load_compressed(directory), output, format, recipe={"converted_from": "compressed-tensors"})
+        return read_sparsity(output)
     return merge_checkpoints([directory], output, "uniform", format, overwrite, _copy=True)
 
 

@@ -49,6 +49,8 @@ def write_plain_route(model: nn.Module, folder: str, library: str, fmt: str, exa
     returns what the record says of it (``ShrinkRecord.plain``, and ``program_inputs``: the names an exported
     program takes), or ``{}`` (the log says why)."""
     inputs = _inputs(model, example)
+    if inputs is not None and _batch(inputs) == 1:  # export specialises a batch of one: its program takes only one
+        inputs = _doubled(inputs)
     if inputs is None:
         logger.info("[hf-sms] no plain route for this smaller model: pass example_inputs to save_sparse to export it")
         return {}
@@ -115,13 +117,21 @@ def _timm_route(model: nn.Module, folder: str, inputs, expected: torch.Tensor) -
 
 
 def _dynamic(inputs):
-    """Batch size free for every input; the sequence length too for token inputs (2-D integer tensors)."""
+    """Batch size free for every input; the sequence length too for token inputs (2-D integer tensors), and an
+    image's height and width where the model allows (``AUTO``: export keeps what the graph specialises)."""
     auto = torch.export.Dim.AUTO
 
     def dims(t):
-        return {0: auto, 1: auto} if t.dim() == 2 and not t.is_floating_point() else {0: auto}
+        if t.dim() == 2 and not t.is_floating_point():
+            return {0: auto, 1: auto}
+        return {0: auto, 2: auto, 3: auto} if t.dim() == 4 and t.is_floating_point() else {0: auto}
 
     return {k: dims(v) for k, v in inputs.items()} if isinstance(inputs, dict) else (dims(inputs),)
+
+
+def _batch(inputs) -> int | None:
+    first = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
+    return first.shape[0] if torch.is_tensor(first) and first.dim() > 0 else None
 
 
 def _doubled(inputs):

@@ -11,11 +11,15 @@ from torch import nn
 from ..atomic import atomic_path
 from ..families import family_of
 from ..families.state import load_into
+from ..pruning.prunable import prunable_tensors
+from ..pruning.selection import ModuleSelection
+from ..runtime.convert import to_sparse_runtime
 from ..shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 from ..shrinking.cut import resize_to
 from ..shrinking.fit import cut_unstated
 from .card import write_card
 from .codec import crc32
+from .compressed_tensors import is_compressed_folder, load_compressed
 from .constants import CARD_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME
 from .family_files import write_config
 from .folder import atomic_folder, weight_files, write_sparsity
@@ -59,7 +63,7 @@ def _store_weights(folder: str, fmt: str) -> tuple[MaskStats, dict[str, int]]:
 def save_sparse(
     model: nn.Module,
     directory: str,
-    format: str = "bitmask",
+    format: str | None = None,
     *,
     recipe: dict | None = None,
     metrics: dict | None = None,
@@ -75,7 +79,10 @@ def save_sparse(
             replaced, other files are kept. Everything is written to a temporary folder first, so an
             error leaves existing files intact.
         format: ``"bitmask"`` (small; loads with ``from_pretrained`` once ``hf_sms`` is imported, and with
-            :func:`load_sparse`) or ``"dense"`` (plain family format, loads without hf-sms).
+            :func:`load_sparse`) or ``"dense"`` (plain family format, loads without hf-sms). Default: bitmask
+            where at least :data:`COMPRESS_FROM` of the prunable weights are zero, else dense (a smaller model
+            from :func:`hf_sms.shrink`, a dense one: nothing to compress), which its library, or its plain
+            route, loads without hf-sms.
         recipe: the soup recipe, e.g. ``{"phases": [...], "m": 3, "varied": "seed", "merge_method": "uniform"}``.
         metrics: e.g. ``{"accuracy": 0.91}``.
         processing_class: a tokenizer / image processor to save alongside.
@@ -87,12 +94,15 @@ def save_sparse(
     Returns:
         ``directory``.
     """
-    if format not in FORMATS:
+    if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     family = family_of(model)
     shrunk = ShrinkRecord.of({"recipe": recipe})
     if shrunk is None and family.library != "torch" and cut_unstated(model):  # a cut in place, unrecorded
         shrunk = ShrinkRecord(SMALLER, cut=IN_PLACE)
+    if format is None:  # no zeros to compress (a smaller model, a dense one): the family's own folder
+        format = "bitmask" if _zero_fraction(model) >= COMPRESS_FROM else "dense"
+    pruned = _pruned_names(model, recipe)
     with atomic_folder(directory, "update") as tmp:
         architecture, aliases = family.save(model, tmp)
         if processing_class is not None:
@@ -108,7 +118,7 @@ def save_sparse(
             format=format,
             library=family.library,
             architecture=architecture,
-            stats=stats.summary(),
+            stats=stats.summary([n for n in stats.per_tensor if n in pruned] if pruned else None),
             recipe=recipe,
             metrics=metrics,
             aliases=aliases,
@@ -117,6 +127,29 @@ def save_sparse(
         )
         write_card(tmp, os.path.basename(os.path.abspath(directory)), os.path.join(directory, CARD_NAME))
     return directory
+
+
+COMPRESS_FROM = 0.05
+"""The fraction of zero prunable weights from which ``save_sparse`` stores the bitmask format by default."""
+
+
+def _zero_fraction(model: nn.Module) -> float:
+    tensors = prunable_tensors(model)
+    zeros = sum(t.param.numel() - int(t.param.count_nonzero()) for t in tensors)
+    return zeros / max(sum(t.param.numel() for t in tensors), 1)
+
+
+def _pruned_names(model: nn.Module, recipe: dict | None) -> set[str] | None:
+    """The weights the run's selection prunes (``prune_modules`` / ``skip_modules`` in ``recipe``; a causal LM's
+    decoder linears by default), where they are not every prunable weight: ``sparsity.json``'s figures and mask
+    hash cover those, as the run's rows do (a 50% LLaMA is 50% of its decoder linears, its embeddings dense)."""
+    recipe = recipe or {}
+    try:
+        chosen = ModuleSelection.of(recipe.get("prune_modules"), recipe.get("skip_modules")).tensors(model)
+    except ValueError:  # a recipe written for another model: every eligible weight, as before
+        return None
+    every = prunable_tensors(model)
+    return {t.name for t in chosen} if len(chosen) < len(every) else None
 
 
 def load_sparse(
@@ -158,6 +191,9 @@ def load_sparse(
         )
     if mmap and runtime is None:
         raise ValueError("mmap=True maps the values of a runtime load (runtime='csr' or 'auto'); a dense load copies")
+    if is_compressed_folder(directory):  # llm-compressor's sparse-bitmask / sparse-24-bitmask: decompressed exactly
+        loaded = load_compressed(directory, model, **kwargs)
+        return to_sparse_runtime(loaded, runtime, sample_input, min_sparsity=min_sparsity) if runtime else loaded
     ckpt = SparseCheckpoint(directory)
     if runtime is not None:
         return load_runtime(ckpt, model, runtime, sample_input, min_sparsity, verify, mmap, **kwargs)

@@ -8,7 +8,8 @@ The loaded model is an ordinary dense model: the quantizer is not kept and the q
 
 A ``format="dense"`` folder is the family's own, which loads without hf-sms; so transformers reads it as any
 other. With hf_sms imported, ``from_pretrained`` of a local one first checks it as ``hf-sms inspect`` does (files,
-every tensor's CRC-32, the mask hash): :func:`check_dense_folder`.
+every tensor's CRC-32, the mask hash): :func:`check_dense_folder`; a compressed-tensors sparse folder, which
+transformers 5 would load with random weights, is refused with the lines that load it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..shrink_record import ShrinkRecord
 from .codec import decode_tensor
+from .compressed_tensors import is_compressed_folder
 from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
 from .files import CheckpointFiles
 from .folder import checkpoint_file, read_sparsity
@@ -253,6 +255,12 @@ def check_dense_folder(directory: str) -> None:
     """Raise ``ValueError`` naming what is wrong if an hf-sms ``format="dense"`` folder is not what its
     ``sparsity.json`` records: another file, a tensor renamed or swapped, a byte changed, another mask. Every other
     folder (bitmask: its quantizer checks it; not hf-sms's) passes untouched."""
+    if is_compressed_folder(directory):  # transformers 5 leaves its compressed layers' weights random
+        raise ValueError(
+            f"{directory} holds a compressed-tensors sparse model, whose compressors compressed-tensors has dropped: "
+            f"transformers would fill its pruned layers at random. Load it with hf_sms.load_sparse({directory!r}), "
+            f"or convert it once: hf-sms convert {directory} --output DIR (then from_pretrained(DIR))"
+        )
     info = read_sparsity(directory) or {}
     record = ShrinkRecord.of(info)
     if record is not None and record.cut_in_place:  # widths its config cannot state

@@ -52,11 +52,9 @@ class SparseModelSoup:
     :mod:`hf_sms.loop.distributed`); on one process they train in turn. Both give the same soup.
 
     Args:
-        model: the pretrained (dense or already sparse) model. Where one trajectory is all that starts from it (one
-            soup method, no baselines, weight structures) and it is on the device the run trains on, it is pruned
-            and souped in place, as a Trainer trains the model it is given (no second model in memory: pass a copy
-            to keep the original); else it is copied, never modified or moved, and the run's copies (pruned starts,
-            replicas, soups, baselines) live on the device it trains on, wherever it was loaded.
+        model: the pretrained (dense or already sparse) model. Pruned and souped in place where one trajectory is
+            all that starts from it and it is where the run trains (:meth:`trajectory_start`: pass a copy to keep
+            it); else copied, never modified or moved, the copies living on the device the run trains on.
         args: the run's :class:`SparseSoupConfig`.
         train_dataset: retraining data; ``args.validation_fraction`` of it is split off for validation
             (fixed seed) unless ``eval_dataset`` is given.
@@ -114,7 +112,7 @@ class SparseModelSoup:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         # The ensemble diagnostic needs a test set scored with the selection metric.
         self.test_dataset = next((d for d, m in self.tests.values() if m is metric_fn), None)
-        notes = [*(model_card or {}).get("notes", ()), *departures(args)]  # said at the start, on the card, in results
+        notes = [*(model_card or {}).get("notes", ()), *departures(args, model)]  # said at the start, card, results
         self.metric_fn, self.processing_class = metric_fn, processing_class
         self.model_card = {**(model_card or {}), **({"notes": notes} if notes else {})}
         self.trainer_class = trainer_class = check_trainer_class(trainer_class or SparseSoupTrainer)
@@ -137,10 +135,6 @@ class SparseModelSoup:
         check_world(args, self.world)
         model = self.pretrained = self.world.broadcast_model(model)  # every replica starts from rank 0's model
         check_model(args, model, lambda: self.example, warn=self.world.is_main)
-        selection = args.plan.modules.default_note(model)  # a causal LM's embeddings and lm_head stay dense
-        if selection:
-            notes.append(selection)
-            self.model_card["notes"] = notes
         # What training depends on; test sets are measured after it, so adding one keeps the finished replicas.
         fingerprint, defaults = run_fingerprint(args, model, {"train": train_dataset, "eval": eval_dataset})
         self.run_dir = RunDirectory(
@@ -242,8 +236,7 @@ class SparseModelSoup:
         """Phases of several tracks at once, their jobs spread over the process groups (:mod:`hf_sms.loop.rounds`)."""
         return run_round(self, specs)
 
-    def clock(self) -> float:
-        """Seconds since the run began (every process starts counting at the same barrier)."""
+    def clock(self) -> float:  # seconds since the run began (every process starts counting at the same barrier)
         return time.time() - self.started
 
     def nested(self, args: SparseSoupConfig, model: nn.Module) -> SparseModelSoup:
@@ -362,28 +355,17 @@ class SparseModelSoup:
         return copy.deepcopy(self.pretrained).to(self.device)
 
     def trajectory_start(self) -> nn.Module:
-        """What a trajectory prunes: a copy of the pretrained model (:meth:`copy_pretrained`), or, where nothing else
-        of the run starts from it (one soup method, no baselines, weight structures) and it is on the device the run
-        trains on, the model itself: pruned and souped in place, as a Trainer trains the model it is given, so that
-        a phase holds one model, not two (an LLM's weights are most of the memory)."""
-        a = self.args
-        if (
-            len(a.merge_methods) == 1
-            and not a.baselines
-            and not a.plan.cuts_units
-            and is_on(self.pretrained, self.device)
-        ):
-            if self.world.is_main:
-                logger.info(
-                    "[hf-sms] the run prunes and soups the model it was given in place (nothing else starts "
-                    "from it): pass a copy to keep the original"
-                )
-            return self.pretrained
-        return self.copy_pretrained()
+        """A copy of the pretrained model, or the model itself where nothing else starts from it (one soup method, no
+        baselines, weight structures) and it is where the run trains: pruned and souped in place, as a Trainer
+        trains the model it is given (a phase holds one model, not two)."""
+        a, model = self.args, self.pretrained
+        if len(a.merge_methods) > 1 or a.baselines or a.plan.cuts_units or not is_on(model, self.device):
+            return self.copy_pretrained()
+        logger.info("[hf-sms] the run prunes and soups the model it was given, in place: pass a copy to keep it")
+        return model
 
     def on_device(self, model: nn.Module) -> nn.Module:
-        """``model`` on the device the run trains on (its soups are timed there, and the record says so): itself if
-        it is there (timing copies it anyway), else a copy moved there."""
+        """``model`` on the device the run trains on (its soups are timed there): itself, or a copy moved there."""
         return model if is_on(model, self.device) else copy.deepcopy(model).to(self.device)
 
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -19,6 +20,8 @@ from ..pruning.select import LazyMapping
 from ..pruning.selection import ModuleSelection
 from ..registry import ALLOCATIONS, CRITERIA
 from .structures import Final, Structure, get_structure
+
+logger = logging.getLogger("hf_sms")
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,34 @@ class PruningPlan:
         step = PruningStep.measure(model, sync(new) if sync is not None else new)
         apply_masks(model, step.masks)
         return step
+
+    def arriving(self, model: nn.Module, target: float, adapted: bool, example: Callable) -> PruningStep:
+        """The masks of a model a trainer is given without any: a model that arrives with zeros keeps them. With
+        adapters (passed in, or added by the trainer class: trl's ``peft_config``) it trains under them, whatever
+        ``target`` says; without, it is pruned further only to a higher ``target``. Pruning an unpruned model, or
+        a pruned one further, is said in the log. ``example()``: a batch, if the plan needs one."""
+        tensors = self.tensors(model)
+        zeros = sum(t.param.numel() - int(torch.count_nonzero(t.param)) for t in tensors)
+        now = zeros / max(sum(t.param.numel() for t in tensors), 1)
+        if now > 0 and (adapted or target <= now + 1e-6):
+            if abs(target - now) > 0.005:
+                logger.warning(
+                    "[hf-sms] the model arrives %.1f%% pruned%s: training under its zeros, not at target_sparsity=%g "
+                    "(prune it first, e.g. hf_sms.prune(model, %g), then add the adapters)",
+                    100 * now,
+                    " with adapters" if adapted else "",
+                    target,
+                    target,
+                )
+            return PruningStep.measure(model, {t.name: t.param.detach() != 0 for t in tensors})
+        (logger.warning if now > 0 else logger.info)(  # a second pruning is never silent
+            "[hf-sms] pruning the model%s from %.1f%% to target_sparsity=%g (%s)",
+            " under its adapters" if adapted else "",
+            100 * now,
+            target,
+            self.structure.name,
+        )
+        return self.prune(model, target, example_inputs=example())
 
     def validate(self, target: float) -> None:
         """Refuse a run's target this plan cannot reach (an n:m pattern has one sparsity), before any model."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .prunable import Masks, PrunableTensor, prunable_tensors
+from .selection import ModuleSelection
 
 
 def check_sparsity(sparsity: float) -> None:
@@ -94,14 +95,14 @@ class WeightZeros(Mapping):
 
 @torch.no_grad()
 def sparsity_report(model: nn.Module, masks: Masks | None = None, tensors=None) -> dict:
-    """Measured sparsity: fraction of exact zeros in the prunable weights (``tensors``: those a plan prunes,
-    :meth:`hf_sms.plan.PruningPlan.tensors`), globally and per tensor.
+    """Measured sparsity: fraction of exact zeros in the weights a plan prunes (``tensors``; default: every
+    prunable weight, a causal LM's decoder linears: :mod:`hf_sms.pruning.selection`), globally and per tensor.
 
     Units removed (filters, neurons, heads) are the plan's to say (:meth:`hf_sms.plan.PruningPlan.achieved`). If
     ``masks`` is given, also reports the mask's sparsity, so the two can be compared.
     """
     per_tensor, zeros, numel = {}, 0, 0
-    for t in prunable_tensors(model) if tensors is None else tensors:
+    for t in ModuleSelection().tensors(model) if tensors is None else tensors:
         z = t.param.numel() - int(torch.count_nonzero(t.param))  # no int64 copy, as (x == 0).sum() makes
         per_tensor[t.name] = {"sparsity": z / t.param.numel(), "zeros": z, "numel": t.param.numel()}
         zeros, numel = zeros + z, numel + t.param.numel()

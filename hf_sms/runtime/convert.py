@@ -4,7 +4,7 @@ Like torchao's ``sparsify_``: one entry point, a per-layer decision, in place. W
 candidate layer is timed dense against sparse on the very input it gets from ``sample_input`` (interleaved
 repeats, medians) and swapped only where the sparse product wins by ``margin``; the whole model is timed
 both ways at the end and left dense if the runtime were slower. The decisions and timings are in
-``model.hf_sms_runtime`` (a :class:`RuntimeReport`).
+``model.hf_sms_runtime`` (a :class:`~hf_sms.runtime.report.RuntimeReport`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,66 +35,11 @@ from .layers import (
     has_sparse_product,
     is_two_four,
 )
+from .report import LayerChoice, RuntimeReport
 from .timing import median_ms, time_pair, time_pair_spread
 
 logger = logging.getLogger("hf_sms")
 LAYOUTS = ("auto", "csr", "semi_structured", "dense")
-
-
-@dataclass
-class LayerChoice:
-    """What the runtime did with one prunable layer, and why."""
-
-    name: str
-    kind: str  # "linear" | "conv1x1" | "conv" | "embedding"
-    shape: tuple[int, ...]
-    sparsity: float
-    layout: str = "dense"  # what runs now: "csr" | "semi_structured" | "dense"
-    reason: str = ""
-    dense_ms: float | None = None
-    sparse_ms: float | None = None
-
-
-@dataclass
-class RuntimeReport:
-    """The per-layer decisions of :func:`to_sparse_runtime` and the whole model's timing on the sample."""
-
-    layout: str
-    device: str
-    threads: int
-    layers: list[LayerChoice] = field(default_factory=list)
-    dense_ms: float | None = None  # the whole model on the sample input, dense
-    runtime_ms: float | None = None  # and with the runtime's layers
-    speedup_range: list[float] | None = None  # lowest and highest dense / runtime of one interleaved round
-    repeats: int | None = None  # interleaved rounds behind the medians
-
-    @property
-    def speedup(self) -> float | None:
-        """Measured dense / runtime latency on the sample input, or ``None`` if not measured."""
-        return self.dense_ms / self.runtime_ms if self.dense_ms and self.runtime_ms else None
-
-    @property
-    def sparse_layers(self) -> list[LayerChoice]:
-        return [c for c in self.layers if c.layout != "dense"]
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "speedup": self.speedup}
-
-    def table(self) -> str:
-        """A markdown table of every layer's decision, then the whole model's measured speedup."""
-        lines = ["| layer | kind | shape | sparsity | runs as | dense ms | sparse ms | why |", "|---" * 8 + "|"]
-        for c in self.layers:
-            ms = [f"{v:.3f}" if v is not None else "-" for v in (c.dense_ms, c.sparse_ms)]
-            lines.append(
-                f"| {c.name} | {c.kind} | {'x'.join(map(str, c.shape))} | {c.sparsity:.1%} | {c.layout} | "
-                f"{ms[0]} | {ms[1]} | {c.reason} |"
-            )
-        speed = f"{self.speedup:.2f}x" if self.speedup else "not measured"
-        lines.append(
-            f"\n{len(self.sparse_layers)} of {len(self.layers)} prunable layers sparse; whole model on the sample: "
-            f"{speed} ({self.device}, {self.threads} threads)"
-        )
-        return "\n".join(lines)
 
 
 _PLAIN = (nn.Linear, nn.Conv2d, nn.Embedding)
@@ -134,11 +80,12 @@ def _sparse_module(module: nn.Module, kind: str, weight: torch.Tensor, layout: s
         return SparseConv2d(module)
     transposed = is_conv1d(module)
     key = (id(module.weight), transposed)
-    if key not in shared:
-        shared[key] = to_csr(weight.detach())
+    csr = shared.get(key)
+    if csr is None:
+        csr = shared[key] = to_csr(weight.detach())
     if kind == "embedding":
-        return SparseEmbedding(shared[key], module.padding_idx)
-    return SparseLinear(shared[key], bias, transposed)
+        return SparseEmbedding(csr, module.padding_idx)
+    return SparseLinear(csr, bias, transposed)
 
 
 def _unsupported(module: nn.Module, kind: str, layout: str) -> str | None:
@@ -170,14 +117,24 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 @dataclass
 class Swap:
-    """A layer the runtime may replace: the dense module (``None`` until needed, when loading sparse-first) and
-    the sparse one. ``dense_or_built`` rebuilds the dense module from the sparse weight when it is absent."""
+    """A layer the runtime may replace: the dense module (``None`` when loading sparse-first: ``dense_or_built``)
+    and the sparse one (under ``"auto"``, made by ``build`` while the layer is timed; kept only if it wins)."""
 
     dense: nn.Module | None
-    sparse: nn.Module
+    sparse: nn.Module | None
+    build: Callable[[], nn.Module] | None = None
 
     def dense_or_built(self) -> nn.Module:
         return self.dense if self.dense is not None else dense_module(self.sparse)
+
+    def sparse_or_built(self) -> nn.Module:
+        if self.sparse is None:
+            self.sparse = self.build()
+        return self.sparse
+
+    def drop_sparse(self) -> None:
+        if self.build is not None:  # one it can make again
+            self.sparse = None
 
 
 @torch.no_grad()  # not inference_mode: its tensors could not be used outside it afterwards
@@ -236,15 +193,18 @@ def to_sparse_runtime(
     model.eval()
     use_semi = layout == "semi_structured" or (layout == "auto" and _semi_structured_device(device))
     swaps: dict[str, Swap] = {}
-    shared: dict = {}
+    shared = weakref.WeakValueDictionary()  # a tied weight's CSR, while a sparse module holds it
     for name, module, kind, weight in _candidates(model):
-        sparsity = float((weight == 0).float().mean())
+        sparsity = float((weight == 0).count_nonzero()) / max(weight.numel(), 1)
         target = "semi_structured" if use_semi and kind == "linear" and is_two_four(weight) else "csr"
         if layout == "semi_structured" and kind != "embedding":
             target = "semi_structured"
         choice = plan(report, name, module, kind, weight, sparsity, target, min_sparsity)
         if choice.layout != "dense":
-            swaps[name] = Swap(module, _sparse_module(module, kind, weight, target, shared))
+            build = functools.partial(_sparse_module, module, kind, weight, target, shared)
+            # "auto" makes a layer's sparse weight when it times it: the runtime never holds every layer's at once
+            lazy = layout == "auto" and kind != "embedding"
+            swaps[name] = Swap(module, None, build) if lazy else Swap(module, build())
     if not swaps:
         warnings.warn(
             f"to_sparse_runtime: no layer of {type(model).__name__} is pruned to min_sparsity={min_sparsity} in a "
@@ -333,9 +293,10 @@ def _decide(model, swaps: dict[str, Swap], by_name, sample_input, margin, repeat
             seen.add(name)
             x, swap, choice = args[0], swaps[name], by_name[name]
             dense = swap.dense_or_built()  # one layer's dense weight at a time when loading sparse-first
-            dense_ms, sparse_ms = time_pair(lambda: dense.forward(x), lambda: swap.sparse(x), repeats, device)
+            sparse = swap.sparse_or_built()
+            dense_ms, sparse_ms = time_pair(lambda: dense.forward(x), lambda: sparse(x), repeats, device)
             choice.dense_ms, choice.sparse_ms = dense_ms, sparse_ms
-            expected, got = dense.forward(x), swap.sparse(x)
+            expected, got = dense.forward(x), sparse(x)
             tol = 1e-2 if x.dtype in (torch.float16, torch.bfloat16) else 1e-4
             atol = tol * float(expected.abs().max()) if expected.numel() else tol
             if got.shape != expected.shape or not torch.allclose(got.float(), expected.float(), rtol=tol, atol=atol):
@@ -344,6 +305,8 @@ def _decide(model, swaps: dict[str, Swap], by_name, sample_input, margin, repeat
                 choice.layout, choice.reason = "dense", f"sparse not {margin}x faster on the sample"
             else:
                 choice.reason = "faster on the sample"
+            if choice.layout == "dense":
+                swap.drop_sparse()
 
         return pre
 
@@ -358,6 +321,7 @@ def _decide(model, swaps: dict[str, Swap], by_name, sample_input, margin, repeat
     for name in timed:
         if name not in seen:
             by_name[name].layout, by_name[name].reason = "dense", "not called by the sample input"
+            swaps[name].drop_sparse()
 
 
 def _time_whole_model(model, swaps: dict[str, Swap], by_name, report, sample_input, repeats, device) -> None:

@@ -7,6 +7,7 @@ record names the device, threads and input it was measured with.
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from collections.abc import Mapping
 
@@ -49,7 +50,15 @@ def measure_speedup(
         ``{"speedup", "dense_ms", "runtime_ms", "device", "threads", "input", "layout", "sparse_layers",
         "dense_weights_mb", "runtime_weights_mb"}`` (JSON-able).
     """
-    runtime = to_sparse_runtime(copy.deepcopy(model), layout, sample_input, repeats=repeats)  # runs in eval mode
+    # A copy of the modules that shares every parameter and buffer (the runtime swaps modules, never writes a
+    # weight): timing a soup costs the sparse weights the runtime keeps, not a second model.
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        runtime = to_sparse_runtime(copy.deepcopy(model, shared), layout, sample_input, repeats=repeats)
+    finally:
+        for p, flag in flags:  # the runtime freezes what it holds: the model's own parameters
+            p.requires_grad_(flag)
     report = runtime.hf_sms_runtime
     return {
         "speedup": report.speedup,
