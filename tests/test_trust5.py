@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import without_hf_sms
 from peft import LoraConfig, get_peft_model
+from safetensors import safe_open
 from transformers import Trainer
 from zoo import _hf, _tokens
 
@@ -185,3 +186,64 @@ def test_a_trainer_that_adds_adapters_keeps_a_pruned_models_mask_and_prunes_an_u
     trainer = _SparseAddsLora(model=model, args=args, peft_config=lora, train_dataset=_lm_rows())
     kept = sum(int(m.sum()) for m in trainer.masks.values()) / sum(m.numel() for m in trainer.masks.values())
     assert kept == pytest.approx(0.5, abs=1e-3)  # the arriving 50%, or the target 50%; never 0.9
+
+
+def _tiny_lm(seed=0):
+    return _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=64, hidden_size=32, intermediate_size=48,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)(seed)  # fmt: skip
+
+
+def _subset_run(tmp_path, **overrides):
+    from hf_sms import run_sms
+    from hf_sms.evaluation.metrics import NegativePerplexity
+
+    rows = _lm_rows(16)
+    settings = dict(output_dir=str(tmp_path / "run"), target_sparsity=0.5, n_phases=1, num_replicas=2, max_steps=1,
+                    per_device_train_batch_size=4, report_to="none", use_cpu=True, replica_params="mask_lora",
+                    measure_speedup=False, disable_tqdm=True, lora_rank=2)  # fmt: skip
+    args = SparseSoupConfig(**{**settings, **overrides})
+    return run_sms(_tiny_lm(), args, rows[:10], NegativePerplexity(), eval_dataset=rows[10:13], test_dataset=rows[13:])
+
+
+def test_a_finished_subset_replica_with_other_bytes_is_refused_on_resume_naming_its_file(tmp_path):
+    """Item 5 (a NaN written into replica.safetensors gave a non-finite soup, exit 0) and item 12 (a tensor of the
+    wrong shape died with a raw size mismatch): the file is named, with the fix."""
+    from safetensors.torch import load_file, save_file
+
+    _subset_run(tmp_path)
+    path = tmp_path / "run" / "sms" / "phase1" / "replica0" / "replica.safetensors"
+    original = path.read_bytes()
+    for edit in ("nan", "shape"):
+        path.write_bytes(original)
+        tensors = load_file(str(path))
+        name = next(iter(tensors))
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        if edit == "nan":
+            tensors[name] = tensors[name].clone()
+            tensors[name].view(-1)[0] = float("nan")
+        else:
+            tensors[name] = torch.zeros(3, 3)
+            meta.pop("crc32")  # a file from before the checksums: the shape alone must be caught
+        save_file(tensors, str(path), metadata=meta)
+        with pytest.raises(ValueError, match=r"replica0/replica.safetensors is not this replica's .*delete"):
+            _subset_run(tmp_path)
+
+
+def test_runs_that_would_end_non_finite_stop_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="finite lora_alpha"):
+        SparseSoupConfig(output_dir=str(tmp_path), replica_params="mask_lora", lora_alpha=float("inf"))
+    with pytest.raises(ValueError, match="non-finite values.*diverged"):
+        _subset_run(tmp_path, lora_alpha=1e30, learning_rate=1.0)
+
+
+def test_a_learned_soup_whose_fit_loss_is_nan_is_refused():
+    from hf_sms.soup.learned import FitData, fit_mixing
+
+    model = torch.nn.Linear(3, 2)
+    states = [{k: v.clone() for k, v in model.state_dict().items()} for _ in range(2)]
+    from torch.utils.data import default_collate
+
+    data = FitData([{"x": torch.ones(3)}] * 4, 2, default_collate, lambda m, b: m(b["x"]).sum() * float("nan"))
+    with pytest.raises(ValueError, match="fit loss is nan at step 1"):
+        fit_mixing(states, model, data, {"steps": 3, "lr": 0.05, "per_module": 0}, seed=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,9 +85,9 @@ def check_subset(config) -> None:
         raise ValueError(f"baselines: {reprunes} average replicas with different masks; leave them out with subsets")
     if isinstance(config.lora_rank, bool) or not isinstance(config.lora_rank, int) or config.lora_rank < 1:
         raise ValueError(f"lora_rank must be a positive integer, got {config.lora_rank!r}")
-    if not config.lora_alpha > 0 or not 0 <= config.lora_dropout < 1:
+    if not 0 < config.lora_alpha < math.inf or not 0 <= config.lora_dropout < 1:
         raise ValueError(
-            f"need lora_alpha > 0 and 0 <= lora_dropout < 1, got {config.lora_alpha}, {config.lora_dropout}"
+            f"need a finite lora_alpha > 0 and 0 <= lora_dropout < 1, got {config.lora_alpha}, {config.lora_dropout}"
         )
 
 

@@ -7,17 +7,20 @@ import copy
 import ctypes
 import dataclasses
 import gc
+import json
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from ..adapters.replica import load_trained_state, make_replica, merged_copy, trained_state
 from ..atomic import atomic_path
 from ..checkpoint import load_sparse
+from ..checkpoint.codec import crc32
 from ..checkpoint.constants import REPLICA_STATE
 from ..checkpoint.folder import checkpoint_file
 from ..sharding import shard_replica, unsharded
@@ -61,6 +64,8 @@ def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), like=None,
     if sharded:
         model = unsharded(model, like, device)
     release_memory()
+    trained = ((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    check_finite(trained, folder, "its training diverged: lower learning_rate (or lora_alpha), or clip gradients")
     return model
 
 
@@ -91,6 +96,7 @@ def load_replica(start: nn.Module, folder: str, masks=None) -> nn.Module:
             f"{folder} is not a readable checkpoint of this model ({e}); delete that folder to retrain the "
             "replica, or use a fresh --output_dir"
         ) from e
+    check_finite(model.named_parameters(), folder, "delete that folder to retrain the replica")
     params = dict(model.named_parameters())
     revived = [n for n, m in (masks or {}).items() if bool((params[n].detach()[~m.to(params[n].device)] != 0).any())]
     if revived:  # a checkpoint trained under another mask (copied in from elsewhere)
@@ -130,15 +136,41 @@ def train_subset(ctx, start, step, args, name: str, keep_adapters: bool, callbac
     if not is_on(start, ctx.device):  # moved in place, once: the phase's replicas then share its frozen weights
         start.to(ctx.device)  # there (the trainer's move would give each replica, and so each candidate, its own copy)
     replica = make_replica(start, args)
+    retrain = f"delete {folder} to retrain the replica"
     if os.path.isfile(path):
         logger.info("[hf-sms] %s: finished earlier, loading %s", name, path)
         if checkpoint_file(folder, REPLICA_STATE) is None:
-            raise ValueError(f"{path} is not a regular file inside {folder}: delete that folder to retrain the replica")
-        load_trained_state(replica, load_file(path))
+            raise ValueError(f"{path} is not a regular file inside {folder}: {retrain}")
+        try:
+            load_trained_state(replica, _read_state(path))
+        except (ValueError, RuntimeError, OSError) as e:
+            raise ValueError(f"{path} is not this replica's trained state ({e}): {retrain}") from e
     else:
         fit(ctx, replica, step, args, folder, callbacks, **trainer_kwargs)
+        state = {k: v.contiguous() for k, v in trained_state(replica).items()}
         if ctx.world.is_group_main:
             with atomic_path(path) as tmp:
-                meta = {"format": "pt", "replica_params": args.replica_params}
-                save_file({k: v.contiguous() for k, v in trained_state(replica).items()}, tmp, metadata=meta)
+                crcs = json.dumps({k: crc32(v.cpu()) for k, v in state.items()})
+                meta = {"format": "pt", "replica_params": args.replica_params, "crc32": crcs}
+                save_file(state, tmp, metadata=meta)
     return replica if keep_adapters else merged_copy(replica)
+
+
+def _read_state(path: str) -> dict[str, torch.Tensor]:
+    """A finished subset replica's tensors, checked against the CRC-32 written with them (a file from before they
+    were written has none) and for non-finite values."""
+    with safe_open(path, "pt") as f:
+        recorded = json.loads((f.metadata() or {}).get("crc32") or "{}")
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    changed = [k for k, v in state.items() if k in recorded and crc32(v) != recorded[k]]
+    if changed:
+        raise ValueError(f"the bytes of {changed[:3]} are not the ones written")
+    check_finite(state.items(), path, "")
+    return state
+
+
+def check_finite(tensors, what: str, fix: str) -> None:
+    """Refuse NaN or infinity in ``tensors`` (``(name, tensor)`` pairs): a run never ends on a non-finite soup."""
+    for name, t in tensors:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{what} holds non-finite values ({name}){': ' + fix if fix else ''}")

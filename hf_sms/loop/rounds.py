@@ -31,7 +31,7 @@ from ..pruning.masks import PruningStep, WeightZeros
 from ..seeding import derive_seed
 from ..soup.method import SoupMethod, indicator_weights
 from ..soup.soup import soup
-from .replica_training import Parked, load_replica, park, release_memory
+from .replica_training import Parked, check_finite, load_replica, park, release_memory
 from .schedule import job_steps, place
 
 logger = logging.getLogger("hf_sms")
@@ -155,6 +155,9 @@ def run_round(ctx, specs: list[PhaseSpec]) -> list[PhaseResult]:
             with world.assigned(owners[s]):
                 results[s].soup = write()
             results[s].seconds += time.perf_counter() - t0
+    for spec, result in zip(specs, results):  # a run never goes on from, or ends on, a non-finite soup
+        if isinstance(result.soup, nn.Module):
+            check_finite(result.soup.named_parameters(), f"the soup of {spec.folder}", "lower learning_rate")
     return results
 
 

@@ -111,7 +111,15 @@ def fit_mixing(
             sampler.set_epoch(epoch)
             for batch in itertools.islice(loader, steps):
                 optimizer.zero_grad()
-                data.loss(mixed, batch).backward()
+                loss = data.loss(mixed, batch)
+                if not torch.isfinite(loss.detach()).all():  # its weights would be NaN: a soup of nothing
+                    step = int(options["steps"]) - steps + 1
+                    raise ValueError(
+                        f"the learned soup's fit loss is {float(loss.detach()):g} at step {step}: "
+                        "its candidates give non-finite outputs on the fit data, or soup_options['learned']['lr'] is "
+                        "too high; lower it, or use another merge method"
+                    )
+                loss.backward()
                 optimizer.step()
                 steps -= 1
             epoch += 1
