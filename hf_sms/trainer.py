@@ -20,6 +20,7 @@ from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
+from .adapters.merge import check_mergeable
 from .adapters.replica import ADAPTER_FOLDER, adapted, adapter_masks, kind_of, make_replica, merged_copy, save_adapter
 from .arguments import as_sparse_arguments, sparse_config
 from .batchnorm import recalibrate_batchnorm
@@ -149,6 +150,8 @@ class SparseSoupMixin:
                     args.label_names = ["labels"]
         super().__init__(model=model, args=args, **kwargs)
         self.adapted = isinstance(self.model, nn.Module) and adapted(self.model)
+        if isinstance(self.model, nn.Module) and hasattr(self.model, "peft_config"):
+            check_mergeable(self.model)  # the final save merges under the mask: what it cannot merge, refused now
         if masks is None:  # a model that arrives with zeros keeps them (PruningPlan.arriving)
             step = args.plan.arriving(self.model, args.target_sparsity, self.adapted, self._example_batch)
         elif isinstance(masks, PruningStep):

@@ -9,6 +9,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import types
 import zipfile
 
 import pytest
@@ -247,3 +248,132 @@ def test_a_learned_soup_whose_fit_loss_is_nan_is_refused():
     data = FitData([{"x": torch.ones(3)}] * 4, 2, default_collate, lambda m, b: m(b["x"]).sum() * float("nan"))
     with pytest.raises(ValueError, match="fit loss is nan at step 1"):
         fit_mixing(states, model, data, {"steps": 3, "lr": 0.05, "per_module": 0}, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["dora", "lora_bias", "embedding"])
+def test_merge_adapters_is_peft_merge_under_the_mask_for_every_lora_variant(kind):
+    """Item 4: DoRA's magnitude, lora_B's bias and an Embedding's lora_embedding_A/B were dropped (outputs off by
+    up to 1.86): the merge is now peft's own, with the pruned entries left out."""
+    import copy
+
+    model = _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=64, hidden_size=32, intermediate_size=48,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attention_bias=True)()  # fmt: skip
+    hf_sms.prune(model, 0.5, prune_modules=".*")
+    zeros = {n: p == 0 for n, p in model.named_parameters() if p.dim() > 1}
+    config = {
+        "dora": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=True),
+        "lora_bias": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True),
+        "embedding": LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens"]),
+    }[kind]
+    adapted = get_peft_model(model, config)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in adapted.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    reference = copy.deepcopy(adapted).merge_and_unload().state_dict()
+    merged, report = hf_sms.merge_adapters(adapted, return_report=True)
+    for name, value in merged.state_dict().items():
+        want = reference[name].masked_fill(zeros[name], 0) if name in zeros else reference[name]
+        torch.testing.assert_close(value, want, rtol=1e-6, atol=1e-6, msg=name)
+    assert report["layers"] and report["dropped_fraction"] > 0
+
+
+def test_adapters_that_cannot_be_merged_under_a_mask_are_refused_before_training(tmp_path):
+    from peft import IA3Config, PromptTuningConfig
+
+    for config in (IA3Config(target_modules=["q_proj"], feedforward_modules=[]),
+                   PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)):  # fmt: skip
+        model = _tiny_lm()
+        hf_sms.prune(model, 0.5)
+        adapted = get_peft_model(model, config)
+        with pytest.raises(ValueError, match="ia3|prompt learning"):
+            hf_sms.merge_adapters(adapted)
+        args = SparseSoupConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True)
+        with pytest.raises(ValueError, match="ia3|prompt learning"):
+            hf_sms.SparseSoupTrainer(adapted, args, train_dataset=_lm_rows())
+
+
+@pytest.fixture(scope="module")
+def adapter_folder(tmp_path_factory):
+    from hf_sms.adapters.replica import make_replica, save_adapter
+
+    model = _tiny_lm()
+    hf_sms.prune(model, 0.5)
+    args = types.SimpleNamespace(replica_params="mask_lora", lora_rank=2, lora_alpha=4.0, lora_dropout=0.0,
+                                 lora_target_modules=None)  # fmt: skip
+    replica = make_replica(model, args)
+    with torch.no_grad():  # trained: B is no longer zero
+        for name, p in replica.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    folder = tmp_path_factory.mktemp("adapter") / "adapter"
+    save_adapter(replica, str(folder))
+    return model, folder
+
+
+def _edit_config(folder, change):
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+ADAPTER_CASES = {  # item 13's hand-edited and crafted folders: each refused, naming what is wrong
+    "r missing": (lambda f: _edit_config(f, lambda c: c.pop("r")), "lacks 'r'"),
+    "lora_alpha missing": (lambda f: _edit_config(f, lambda c: c.pop("lora_alpha")), "lacks 'lora_alpha'"),
+    "r a string": (lambda f: _edit_config(f, lambda c: c.update(r="2")), "r must be a positive integer"),
+    "r disagrees": (lambda f: _edit_config(f, lambda c: c.update(r=3)), r"has shape .* r=3"),
+    "alpha nan": (lambda f: _edit_config(f, lambda c: c.update(lora_alpha=float("nan"))), "finite number"),
+    "alpha inf": (lambda f: (f / "adapter_config.json").write_text(
+        (f / "adapter_config.json").read_text().replace('"lora_alpha": 4.0', '"lora_alpha": Infinity')), "finite"),
+    "alpha 1e308": (lambda f: _edit_config(f, lambda c: c.update(lora_alpha=1e308)), "would overflow"),
+    "targets not names": (lambda f: _edit_config(f, lambda c: c.update(target_modules=[1, 2])), "target_modules"),
+    "not json": (lambda f: (f / "adapter_config.json").write_text("{r: 2"), "is not JSON"),
+    "a list": (lambda f: (f / "adapter_config.json").write_text("[1, 2]"), "holds a list"),
+    "kind bias_norm": (lambda f: _restamp(f, "bias_norm"), "kind 'bias_norm'"),
+    "tensor shape": (lambda f: _reshape_tensor(f), "has shape"),
+}  # fmt: skip
+
+
+def _restamp(folder, kind):
+    from safetensors.torch import load_file, save_file
+
+    path = str(folder / "adapter_model.safetensors")
+    save_file(load_file(path), path, metadata={"format": "pt", "hf_sms_replica_params": kind})
+
+
+def _reshape_tensor(folder):
+    from safetensors.torch import load_file, save_file
+
+    path = str(folder / "adapter_model.safetensors")
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(path)
+    name = next(k for k in tensors if "lora_B" in k)
+    tensors[name] = torch.zeros(tensors[name].shape[0] + 1, tensors[name].shape[1])
+    save_file(tensors, path, metadata=meta)
+
+
+@pytest.mark.parametrize("case", list(ADAPTER_CASES))
+def test_load_adapter_refuses_a_hand_edited_folder_naming_what_is_wrong(adapter_folder, tmp_path, case):
+    model, folder = adapter_folder
+    edited = tmp_path / "adapter"
+    shutil.copytree(folder, edited)
+    edit, message = ADAPTER_CASES[case]
+    edit(edited)
+    with pytest.raises(ValueError, match=message):
+        hf_sms.load_adapter(model, str(edited))
+
+
+def test_load_adapter_keeps_a_regex_target_and_save_adapter_needs_an_adapter(adapter_folder, tmp_path):
+    from hf_sms.adapters.replica import save_adapter
+
+    model, folder = adapter_folder
+    edited = tmp_path / "adapter"
+    shutil.copytree(folder, edited)
+    _edit_config(edited, lambda c: c.update(target_modules=r".*(_proj|lm_head)"))
+    replica = hf_sms.load_adapter(model, str(edited))  # peft's regex form: one pattern, not its characters
+    assert sum(1 for n, _ in replica.named_parameters() if "lora_A" in n) == 8
+    with pytest.raises(ValueError, match="holds no peft adapter"):
+        save_adapter(_tiny_lm(), str(tmp_path / "none"))

@@ -29,6 +29,32 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
+def check_mergeable(model: nn.Module) -> None:
+    """Refuse, naming them, adapters hf-sms cannot merge under a mask: other tuners than LoRA (IA3, LoHa, LoKr,
+    VeRA, ...) and prompt learning (its virtual tokens are no weights of the model)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    configs = getattr(model, "peft_config", None)
+    prompt = [n for n, c in (configs or {}).items() if getattr(c, "is_prompt_learning", False)] if configs else []
+    if prompt:
+        raise ValueError(
+            f"adapter(s) {prompt} are prompt learning ({type(configs[prompt[0]]).__name__}): their virtual tokens are "
+            "not weights of the model, so there is nothing to merge and merging would drop them; save the PeftModel "
+            "with save_pretrained and load it with peft"
+        )
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tuners = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
+    others = sorted(
+        {f"{type(m).__module__.split('.')[-2]}.{type(m).__name__}" for m in tuners if not isinstance(m, LoraLayer)}
+    )
+    if others:
+        raise ValueError(
+            f"hf-sms merges LoRA adapters (DoRA, lora_bias and Embedding LoRA included) under a pruned model's mask; "
+            f"this model has {others}: merge those with peft (merge_and_unload), then hf_sms.prune keeps the zeros"
+        )
+
+
 @torch.no_grad()
 def merge_adapters(model: nn.Module, masks: Masks | None = None, return_report: bool = False):
     """Merge every LoRA adapter of ``model`` (a peft ``PeftModel``, or a model peft injected adapters into) into its
@@ -45,15 +71,9 @@ def merge_adapters(model: nn.Module, masks: Masks | None = None, return_report: 
         The plain model (``model.get_base_model()`` for a ``PeftModel``), with exactly the mask's zeros.
     """
     from peft.tuners.lora import LoraLayer
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
+    check_mergeable(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    tuners = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
-    others = sorted(
-        {f"{type(m).__module__.split('.')[-2]}.{type(m).__name__}" for m in tuners if not isinstance(m, LoraLayer)}
-    )
-    if others:
-        raise ValueError(f"merge_adapters merges LoRA adapters; this model also has {others}: merge those with peft")
     kept_sq = dropped_sq = 0.0
     dropped_entries = layers = 0
     for name, layer in [(n, m) for n, m in base.named_modules() if isinstance(m, LoraLayer)]:
@@ -63,15 +83,17 @@ def merge_adapters(model: nn.Module, masks: Masks | None = None, return_report: 
         weight = inner.weight
         key = plain_name(f"{name}.weight")
         keep = masks[key].to(weight.device) if masks is not None and key in masks else weight != 0
-        delta = torch.zeros_like(weight, dtype=torch.float32)
-        for adapter in layer.active_adapters:
-            if adapter in layer.lora_A:
-                delta += layer.get_delta_weight(adapter).float()
-        dropped = delta[~keep]
+        before = weight.detach().float()
+        # peft's own merge of every variant (DoRA's magnitude, lora_bias, an Embedding's lora_embedding_A/B, MaskLoRA
+        # and ScaleLoRA through theirs), then the mask: what falls on a pruned weight is left out, and said
+        active = [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
+        layer.merge(safe_merge=True, adapter_names=active)
+        update = weight.detach().float() - before
+        del before
+        dropped = update[~keep]
         dropped_sq += float(dropped.double().square().sum())
-        kept_sq += float(delta[keep].double().square().sum())
+        kept_sq += float(update[keep].double().square().sum())
         dropped_entries += int(torch.count_nonzero(dropped))
-        weight.add_((delta * keep).to(weight.dtype))
         weight.masked_fill_(~keep, 0)
         _replace(base, name, inner)
         layers += 1

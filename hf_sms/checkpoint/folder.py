@@ -201,6 +201,10 @@ def _install(tmp: str, directory: str, mode: str) -> None:
             else:
                 _link_or_copy(src, dst)
     previous = directory + PREVIOUS_SUFFIX
+    if os.path.islink(previous) or os.path.isfile(previous):  # hf-sms's name, not its folder: a link is unlinked,
+        os.unlink(previous)  # never followed (nothing it points to is touched)
+    elif os.path.isdir(previous):  # a killed replace's old folder, and the new one is in place: no longer needed
+        shutil.rmtree(previous)
     os.replace(directory, previous)
     os.replace(tmp, directory)
     shutil.rmtree(previous, ignore_errors=True)
