@@ -32,4 +32,7 @@ def resolve_soup_options(config) -> dict[str, dict[str, float]]:
             f"soup_options names {stray}, which this run does not run (merge_methods={config.merge_methods}, and the "
             "soups of the baselines asked for)"
         )
+    bare = [m for m in used if given.get(m) and not SOUPS.get(m).options]
+    if bare:
+        raise ValueError(f"soup_options gives {bare[0]} {given[bare[0]]}, but {bare[0]} takes no options: leave it out")
     return {m: SOUPS.get(m).resolve(m, given.get(m)) for m in used if SOUPS.get(m).options}

@@ -377,3 +377,15 @@ def test_load_adapter_keeps_a_regex_target_and_save_adapter_needs_an_adapter(ada
     assert sum(1 for n, _ in replica.named_parameters() if "lora_A" in n) == 8
     with pytest.raises(ValueError, match="holds no peft adapter"):
         save_adapter(_tiny_lm(), str(tmp_path / "none"))
+
+
+def test_options_of_a_soup_that_takes_none_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="uniform takes no options"):
+        SparseSoupConfig(output_dir=str(tmp_path), soup_options={"uniform": {"x": 1}})
+
+
+def test_compute_masks_refuses_a_unit_multiple_that_keeps_every_unit():
+    model = _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=64, hidden_size=32, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)()  # fmt: skip
+    with pytest.raises(ValueError, match="unit_multiple=16 keeps every unit"):  # 16 neurons: a multiple of 16 is all
+        hf_sms.compute_masks(model, 0.5, structure="neurons", unit_multiple=16)

@@ -277,6 +277,8 @@ def compute_masks(
     plan = resolve_pruning(
         allocation, structure, criterion, seed, unit_multiple, fit_config, prune_modules, skip_modules
     )
+    if plan.cuts_units:  # what a run refuses before work (a unit_multiple keeping every unit), refused here too
+        plan.check(model, sparsity, example_inputs)
     return plan.masks(model, sparsity, masks, example_inputs)
 
 
