@@ -9,8 +9,11 @@ and gathers it back (:func:`unsharded`).
 from __future__ import annotations
 
 import copy
+import math
+import zlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -82,20 +85,52 @@ def sharded_soup(
     if not candidates:
         raise ValueError("nothing to soup: pass at least one candidate's local_state")
     weights = list(weights) if weights is not None else [1.0 / len(candidates)] * len(candidates)
+    _check_soup_inputs(into, candidates, weights, group)  # before any shard is written
     for name, target in into.state_dict().items():
         shard = _local(target)
         acc = Accumulator(shard)
-        for candidate, w in zip(candidates, weights, strict=True):
-            if candidate[name].shape != shard.shape:
-                raise ValueError(
-                    f"{name!r}: a candidate's shard is {tuple(candidate[name].shape)}, this model's "
-                    f"{tuple(shard.shape)}; soup candidates sharded with the same mesh and layout as the model"
-                )
+        for candidate, w in zip(candidates, weights):
             acc.add(candidate[name], w)
         if group is not None and acc.floating:
             dist.all_reduce(acc.total, group=group)
         shard.copy_(acc.result())
     return into
+
+
+def _check_soup_inputs(into: nn.Module, candidates, weights: list[float], group) -> None:
+    """Every candidate holds every tensor, shaped as ``into``'s shard; the weights are finite, non-negative and sum
+    to 1 (over ``group`` too); the candidates share one mask (every process compares its shards, and all agree)."""
+    if len(weights) != len(candidates) or not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise ValueError(f"need one finite weight >= 0 per candidate ({len(candidates)}), got {weights}")
+    total, digest = torch.tensor([float(sum(weights))], dtype=torch.float64), 0
+    for name, target in into.state_dict().items():
+        shard = _local(target)
+        for i, candidate in enumerate(candidates):
+            if name not in candidate:
+                raise ValueError(f"candidate {i} has no {name!r}: soup candidates of this model's local_state")
+            if candidate[name].shape != shard.shape:
+                raise ValueError(
+                    f"{name!r}: candidate {i}'s shard is {tuple(candidate[name].shape)}, this model's "
+                    f"{tuple(shard.shape)}; soup candidates sharded with the same mesh and layout as the model"
+                )
+        if shard.is_floating_point() and shard.dim() > 1:
+            mask = candidates[0][name] != 0
+            for i, candidate in enumerate(candidates[1:], 1):
+                if not torch.equal(candidate[name] != 0, mask):
+                    raise ValueError(
+                        f"candidates {i} and 0 have different masks in {name!r}: their mean would not be sparse; "
+                        "soup replicas retrained from the same pruned model"
+                    )
+            digest = zlib.crc32(np.packbits(mask.reshape(-1).cpu().numpy()).tobytes(), digest)  # this shard's mask
+    if group is not None:  # every group's weights together, and one mask across the groups
+        dist.all_reduce(total, group=group)
+        low, high = torch.tensor([digest]), torch.tensor([digest])
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(low, high):
+            raise ValueError("the groups' candidates have different masks: soup replicas of the same pruned model")
+    if abs(float(total) - 1.0) > 1e-6:
+        raise ValueError(f"the soup's weights sum to {float(total):g}, not 1: normalise them (over every group)")
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:

@@ -14,7 +14,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import without_hf_sms
+from conftest import make_cnn, without_hf_sms
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from transformers import Trainer
@@ -389,3 +389,42 @@ def test_compute_masks_refuses_a_unit_multiple_that_keeps_every_unit():
                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)()  # fmt: skip
     with pytest.raises(ValueError, match="unit_multiple=16 keeps every unit"):  # 16 neurons: a multiple of 16 is all
         hf_sms.compute_masks(model, 0.5, structure="neurons", unit_multiple=16)
+
+
+def test_merges_refuse_a_base_with_another_mask_or_shape(tmp_path):
+    """Item 6: ties / dare / model_stock counted the pruned entries' updates of a dense base and wrote another soup."""
+    from hf_sms.cli import main
+    from hf_sms.sharding import sharded_soup
+    from hf_sms.soup.soup import soup
+
+    dense = make_cnn()
+    start = make_cnn()
+    hf_sms.prune(start, 0.5)
+    candidates = []
+    for seed in (1, 2):
+        c = make_cnn()
+        c.load_state_dict(start.state_dict())
+        with torch.no_grad():
+            for p in c.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.01 * (p != 0))
+        candidates.append(c)
+    soup(candidates, "ties", base=start)  # the pruned start: fine
+    with pytest.raises(ValueError, match="base has another mask"):
+        soup(candidates, "ties", base=dense)
+    with pytest.raises(ValueError, match="another architecture"):
+        soup(candidates, "ties", base=make_cnn(num_classes=7))
+    folders = []
+    for name, model in (("a", candidates[0]), ("b", candidates[1]), ("dense", dense)):
+        hf_sms.save_sparse(model, str(tmp_path / name))
+        folders.append(str(tmp_path / name))
+    argv = ["merge", folders[0], folders[1], "--method", "ties", "--base", folders[2], "--output", str(tmp_path / "s")]
+    assert main(argv) == 2 and not (tmp_path / "s").exists()
+    states = [dict(c.state_dict()) for c in candidates]
+    into = make_cnn()
+    with pytest.raises(ValueError, match="sum to 1.8"):
+        sharded_soup(into, states, [0.9, 0.9])
+    with pytest.raises(ValueError, match="different masks"):
+        sharded_soup(into, [states[0], dense.state_dict()])
+    with pytest.raises(ValueError, match="has no 'fc2.weight'"):
+        sharded_soup(into, [states[0], {k: v for k, v in states[1].items() if k != "fc2.weight"}])
+    assert torch.equal(into.fc2.weight, make_cnn().fc2.weight)  # nothing written before the refusals

@@ -117,6 +117,24 @@ def _masks_differ(ckpts: list[SparseCheckpoint], i: int, name: str) -> ValueErro
     )
 
 
+def _base_differs(base: SparseCheckpoint, name: str) -> ValueError:
+    return ValueError(
+        f"the base ({base.directory}) has another mask than the inputs in {name!r}: pass the pruned model the "
+        "inputs were retrained from (the phase's start), not the dense model or another phase's; its updates would "
+        "count entries the inputs prune"
+    )
+
+
+def _check_base_mask(base: SparseCheckpoint, ref: SparseCheckpoint) -> None:
+    """The base's zeros are the inputs' mask (recorded hashes where both have them, else the data), before work."""
+    recorded = [(c.info or {}).get("per_tensor") or {} for c in (base, ref)]
+    for name in (n for n in ref.names() if eligible(n, *ref.spec(n))):
+        hashes = [r.get(name, {}).get("mask_hash") for r in recorded]
+        same = hashes[0] == hashes[1] if all(hashes) else torch.equal(base.mask(name), ref.mask(name))
+        if not same:
+            raise _base_differs(base, name)
+
+
 def _check_same_masks(ckpts: list[SparseCheckpoint]) -> None:
     ref = ckpts[0]
     recorded = [(c.info or {}).get("per_tensor") or {} for c in ckpts]
@@ -164,6 +182,8 @@ def _merge_combined(ckpts: list[SparseCheckpoint], name: str, weight: list[float
     if not eligible(name, shape, dtype):
         return spec.combine(tensors, weight, context)
     tensors = list(_same_zeros(tensors, ckpts, name))
+    if base is not None and not torch.equal(base != 0, tensors[0] != 0):  # the data, whatever the record says
+        raise _base_differs(seen["base"], name)
     return spec.combine(tensors, weight, context) * (tensors[0] != 0)
 
 
@@ -266,6 +286,8 @@ def merge_checkpoints(
     seen["base"] = SparseCheckpoint(base) if base is not None else None
     _check_same_architecture([*ckpts, seen["base"]] if base is not None else ckpts)
     _check_same_masks(ckpts)  # Step 1: refuse before writing anything
+    if seen["base"] is not None:
+        _check_base_mask(seen["base"], ckpts[0])
     ref = ckpts[0]
     if weights is None:
         weight = spec.select([0.0] * len(ckpts), None, None)

@@ -80,6 +80,26 @@ def check_same_masks(models: Sequence[nn.Module]) -> Masks:
     return ref
 
 
+def _checked_base(base: nn.Module, template: nn.Module, name: str) -> StateDict:
+    """The base's state, refused where it is not the candidates' start: other tensors or shapes, or another mask
+    (the dense model: its updates would count the entries the candidates prune)."""
+    state, reference = base.state_dict(), template.state_dict()
+    wrong = [k for k in reference if k not in state or state[k].shape != reference[k].shape]
+    if wrong:
+        raise ValueError(
+            f"the {name!r} soup's base is another architecture than the candidates (e.g. {wrong[:3]}): pass the "
+            "pruned model they were retrained from"
+        )
+    for key, mask in masks_from_model(template).items():
+        differ = int(torch.count_nonzero(mask != (state[key] != 0)))
+        if differ:
+            raise ValueError(
+                f"the {name!r} soup's base has another mask than the candidates ({differ} entries of {key!r}): pass "
+                "the pruned model they were retrained from (the phase's start), not the dense model"
+            )
+    return state
+
+
 def _combined(method: SoupMethod, world, local, weights, template: StateDict, base: StateDict | None, **seen):
     every = seen["every"] or world.all_candidates(local, len(weights), template)
     used = [i for i, w in enumerate(weights) if w]
@@ -175,7 +195,7 @@ def soup(
         )
     state = {i: m.state_dict() for i, m in local.items()}
     reference = template.state_dict()
-    base_state = base.state_dict() if spec.needs_base else None
+    base_state = _checked_base(base, template, name) if spec.needs_base else None
     # a method's own combine may not keep zeros (a rescaling, a sign vote): the shared mask is applied after it
     own = spec.combine is not None or spec.fit is not None
     shared_mask = masks_from_model(template) if own and spec.same_mask else None
