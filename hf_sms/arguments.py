@@ -76,15 +76,29 @@ def departures(args, model=None) -> list[str]:
         out.append(plan.modules.default_note(model))
     kind = getattr(args, "replica_params", "all")
     if kind != "all":  # the baselines train it too, so the rows compare like with like
+        baselines = list(getattr(args, "baselines", None) or ())
+        who = f"every replica and the baselines {', '.join(baselines)}" if baselines else "every replica"
         out.append(
-            f"every replica and the IMP / IMP_mx baselines retrain {REPLICA_PARAMS.get(kind).description}, the rest "
-            f"of the model frozen (replica_params={kind!r}; the paper retrains every parameter)"
+            f"{who} retrain {REPLICA_PARAMS.get(kind).description}, the rest of the model frozen "
+            f"(replica_params={kind!r}; the paper retrains every parameter)"
         )
+    optim = str(getattr(args, "optim", "sgd")).split(".")[-1].lower()
+    if "sgd" not in optim:
+        out.append(f"replicas retrain with {optim} (optim; the paper retrains with SGD, momentum 0.9)")
+    decays = [args.weight_decay, *(getattr(args, "replica_weight_decays", None) or ())]
+    if not any(d > 0 for d in decays):
+        out.append("no weight decay (weight_decay=0; the paper retrains with its pretraining's, e.g. 1e-4 or 5e-4)")
     if (getattr(args, "max_grad_norm", 0) or 0) > 0:
         out.append(f"gradients are clipped at norm {args.max_grad_norm:g} (max_grad_norm; the paper does not clip)")
-    if not getattr(args, "decay_all_parameters", True) and args.weight_decay > 0:
+    if not getattr(args, "decay_all_parameters", True) and any(d > 0 for d in decays):
         out.append(
             "biases and norm weights are exempt from weight decay (decay_all_parameters=False; the paper decays "
             "every parameter)"
+        )
+    if "learned" in (getattr(args, "merge_methods", None) or ()):
+        fraction = (getattr(args, "soup_options", None) or {}).get("learned", {}).get("fraction", 0.5)
+        out.append(
+            f"the learned soup fits on {fraction:g} of the validation set, split off: every method's validation "
+            "scores (greedy's choices, the candidates') use the rest"
         )
     return out

@@ -399,7 +399,7 @@ def test_sms_with_subset_replicas_keeps_the_mask_and_resumes(tmp_path, kind):
     assert all(d["pairwise_l2"][0] > 0 for d in results["sms"])  # the replicas really differ
     recipe = json.loads((tmp_path / "run" / "final_soup" / "sparsity.json").read_text())["recipe"]
     assert recipe["replica_params"] == kind
-    assert any("IMP / IMP_mx baselines retrain" in note for note in recipe["notes"])  # the card says so too
+    assert any("every replica and the baselines imp retrain" in note for note in recipe["notes"])  # the card too
     again, _ = run_sms(model, args, train, ClassificationAccuracy(), eval_dataset=val, test_dataset=test)  # resumes
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), soup.state_dict().values()))
 

@@ -16,13 +16,19 @@ from hf_sms.evaluation import ClassificationAccuracy
 
 
 def test_departures_name_what_differs_from_the_paper(tmp_path):
-    assert departures(sms_config(tmp_path)) == []  # SparseSoupConfig: the paper's settings
-    seq2seq = SparseSoupSeq2SeqConfig(output_dir=str(tmp_path), weight_decay=0.01, report_to="none")
+    assert departures(sms_config(tmp_path, weight_decay=1e-4)) == []  # SGD, decay on every parameter: the paper's
+    said = departures(sms_config(tmp_path, optim="adamw_torch"))  # AdamW and no decay: said
+    assert len(said) == 2 and "adamw_torch" in said[0] and "no weight decay" in said[1]
+    seq2seq = SparseSoupSeq2SeqConfig(output_dir=str(tmp_path), weight_decay=0.01, report_to="none", optim="sgd")
     said = departures(seq2seq)  # Seq2SeqTrainingArguments' own defaults: clip at 1.0, no decay on biases and norms
     assert len(said) == 2 and "clipped at norm 1" in said[0] and "exempt from weight decay" in said[1]
-    assert departures(SparseSoupSeq2SeqConfig(output_dir=str(tmp_path), max_grad_norm=0, report_to="none")) == []
-    said = departures(sms_config(tmp_path, replica_params="mask_lora"))  # a subset: the baselines train it too
-    assert len(said) == 1 and "IMP / IMP_mx baselines retrain MaskLoRA adapters" in said[0]
+    plain = SparseSoupSeq2SeqConfig(output_dir=str(tmp_path), max_grad_norm=0, report_to="none", optim="sgd",
+                                    weight_decay=1e-4, decay_all_parameters=True)  # fmt: skip
+    assert departures(plain) == []
+    said = departures(sms_config(tmp_path, replica_params="mask_lora", weight_decay=1e-4, baselines=["imp"]))
+    assert len(said) == 1 and "every replica and the baselines imp retrain MaskLoRA adapters" in said[0]
+    said = departures(sms_config(tmp_path, replica_params="mask_lora", weight_decay=1e-4))  # no baseline: none named
+    assert said[0].startswith("every replica retrain")
 
 
 def test_a_run_says_its_departures_in_the_log_results_and_card(tmp_path, caplog):
