@@ -428,3 +428,23 @@ def test_merges_refuse_a_base_with_another_mask_or_shape(tmp_path):
     with pytest.raises(ValueError, match="has no 'fc2.weight'"):
         sharded_soup(into, [states[0], {k: v for k, v in states[1].items() if k != "fc2.weight"}])
     assert torch.equal(into.fc2.weight, make_cnn().fc2.weight)  # nothing written before the refusals
+
+
+def test_a_smaller_model_that_removes_little_says_how_to_remove_more(caplog):
+    """Item 9: filters at 50% on an smp PSPNet with a named encoder removed 1% of the parameters without a word."""
+    import copy
+    import logging
+
+    import segmentation_models_pytorch as smp
+
+    from hf_sms.plan.plan import resolve_pruning
+
+    torch.manual_seed(0)
+    model = smp.PSPNet("resnet18", encoder_weights=None, classes=3, encoder_depth=3).eval()
+    x = torch.randn(2, 3, 64, 64)
+    dense, plan = copy.deepcopy(model), resolve_pruning(structure="filters")
+    plan.prune(model, 0.5, example_inputs=x)
+    with caplog.at_level(logging.WARNING, logger="hf_sms"):
+        final = plan.final(model, dense, x)
+    assert final.shrunk.parameter_ratio > 0.9
+    assert "fit_config=False prunes every unit" in caplog.text and "removes" in caplog.text

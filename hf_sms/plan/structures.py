@@ -287,7 +287,17 @@ class Units(Structure):
         except (NotImplementedError, ValueError) as e:
             why = f"hf_sms.shrink could not make it smaller ({str(e)[:200]})"
             return Final(soup, "bitmask", ShrinkRecord(PRUNED, why=why))
-        return Final(smaller, "dense", shrink_record(dense, soup, smaller, self, batch))
+        record = shrink_record(dense, soup, smaller, self, batch)
+        removed = 1 - (record.parameter_ratio or 1)
+        if self.fit_config and removed < 0.1:  # e.g. an smp model whose named encoder its config does not state
+            logger.warning(
+                "[hf-sms] the smaller model removes %.1f%% of the parameters: fit_config=True prunes only the units "
+                "%s's config can state; fit_config=False prunes every unit (a smaller model cut in place, saved "
+                "with a plain route)",
+                100 * removed,
+                type(soup).__name__,
+            )
+        return Final(smaller, "dense", record)
 
     def timed(self, model, batch):
         smaller = shrink(model, batch, structure=self, fit_config=self.fit_config, multiple_of=self.unit_multiple)
