@@ -154,7 +154,7 @@ def speedup_report(runs: list[dict]) -> str:
         final = _final_rows(run)[1][-1].get("speedup")
         flops_final = f"{final:.2f}x" if isinstance(final, (int, float)) else "-"
         lines.append(
-            f"final soup speedup: {flops_final} in FLOPs, measured {format_measured(run.get('measured_speedup'))}"
+            f"final soup speedup: {flops_final} in FLOPs; measured: {format_measured(run.get('measured_speedup'))}"
         )
     return "\n".join(lines)
 

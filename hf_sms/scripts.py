@@ -73,7 +73,15 @@ def parse_args(*dataclass_types, argv: list[str] | None = None, smoke: Callable[
         overrides = {**SMOKE_ARGS, **smoke(folder)}
         defaults.update({k: v for k, v in overrides.items() if k in known})
     parser.set_defaults(**defaults)
-    parsed = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as e:
+        if "bf16" not in str(e) or "--bf16" in argv:
+            raise
+        raise ValueError(  # the LLM configs train in bf16 on a GPU; transformers' own advice (use_cpu) is not enough
+            f"{e} This config trains in bf16 mixed precision, which needs a GPU here: on a CPU add --bf16 false "
+            "(and --torch_dtype float32, or bfloat16 to keep the weights in bf16)"
+        ) from None
     seed = next((a.seed for a in parsed if isinstance(a, TrainingArguments)), None)
     if seed is not None:  # before the recipe builds its model: every process initialises the same weights
         set_seed(seed)

@@ -48,10 +48,11 @@ def smoke(folder: str) -> dict:
     from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer, path = ByT5Tokenizer(), os.path.join(folder, "llama")
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size + 3, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=1,
-    )  # fmt: skip
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    ids = dict(pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size + 3, **sizes, **ids)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -63,12 +63,21 @@ def diversity(metric_fn, world, candidates: dict, val: list[float], eval_dataset
 def log_diversity(diag: dict) -> None:
     """One line per phase; a warning with what to vary when the replicas are near copies."""
     l2 = diag["pairwise_l2"]
+    mean_l2 = _fmt(sum(l2) / len(l2) if l2 else None)
+    if diag.get("disagreement_val") is None:  # a metric without class predictions: no ensemble to measure
+        logger.info(
+            "[hf-sms] phase %d replicas: mean pairwise L2 %s (disagreement and the ensemble need a metric with "
+            "class predictions, as ClassificationAccuracy has)",
+            diag["phase"],
+            mean_l2,
+        )
+        return
     logger.info(
         "[hf-sms] phase %d replicas: disagreement %s%% of val, ensemble - best %s, mean pairwise L2 %s",
         diag["phase"],
         _fmt(diag.get("disagreement_val")),
         _fmt(diag.get("ensemble_minus_best_val")),
-        _fmt(sum(l2) / len(l2) if l2 else None),
+        mean_l2,
     )
     if len(diag["candidates_val"]) > 1 and diag.get("disagreement_val", MIN_DISAGREEMENT) < MIN_DISAGREEMENT:
         logger.warning(

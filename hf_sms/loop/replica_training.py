@@ -36,13 +36,13 @@ def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), like=None,
     masks = step.masks.values()
     kept = sum(int(m.count_nonzero()) for m in masks) / max(sum(m.numel() for m in masks), 1)
     logger.info(
-        "[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, epochs=%s, params=%s, rank %d/%d%s)",
+        "[hf-sms] %s: retraining at sparsity %.4f (seed=%s, lr=%s, wd=%s, %s, params=%s, rank %d/%d%s)",
         os.path.relpath(folder, ctx.args.output_dir),
         1 - kept,
         args.seed,
         args.learning_rate,
         args.weight_decay,
-        args.num_train_epochs,
+        f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs",
         getattr(args, "replica_params", "all"),
         ctx.world.rank,
         ctx.world.size,
