@@ -321,10 +321,10 @@ def test_inspect_exit_codes_tell_cannot_read_from_corrupted(tmp_path, capsys, mo
     from hf_sms.cli import main
 
     folder = tmp_path / "soup"
-    save_sparse(make_cnn(), str(folder))
+    save_sparse(make_cnn(), str(folder), "bitmask")  # a dense model saves dense by default: its header has no CRCs
     assert main(["inspect", str(folder)]) == 0
     other = tmp_path / "other"
-    save_sparse(make_cnn(seed=1), str(other))
+    save_sparse(make_cnn(seed=1), str(other), "bitmask")
     weights = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())  # a file of another save
     assert main(["inspect", str(folder)]) == 1
