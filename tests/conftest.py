@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -19,6 +20,8 @@ from torch import nn
 settings.register_profile("fixed", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
+
+ROOT = Path(__file__).parent.parent
 
 # Tiny models run faster on one thread than on two fighting ones.
 torch.set_num_threads(1)
@@ -314,3 +317,142 @@ class Top1(evaluate.Metric):
     def _compute(self, predictions, references):
         return {"accuracy": sum(int(p == r) for p, r in zip(predictions, references)) / len(references)}
 """
+
+
+# -- a fork server: Python scripts as fresh processes without paying their imports each time ---------------------
+_ZYGOTE = r"""
+import atexit, json, os, sys, tempfile, traceback
+import torch, transformers, timm, peft, datasets, hf_sms
+from hf_sms import SparseSoupTrainer, run_sms  # noqa: F401  (the lazy names scripts reach)
+
+
+def child(request, rank):
+    code = 1
+    try:
+        os.environ.update(request["env"])
+        suffix = ""
+        if rank is not None:  # what torchrun gives each of its processes
+            n = str(request["ranks"])
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, GROUP_RANK="0",
+                              ROLE_RANK=str(rank), ROLE_WORLD_SIZE=n, MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(request["port"]))
+            suffix = f".{rank}"
+        tempfile.tempdir = None  # TMPDIR as the request sets it
+        os.chdir(request["cwd"])
+        for fd, name in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(name + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        sys.argv = [request["script"], *request["argv"]]
+        sys.path[0] = os.path.dirname(request["script"])
+        source = compile(open(request["script"]).read(), request["script"], "exec")
+        exec(source, {"__name__": "__main__", "__file__": request["script"]})
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()  # what the script registered (a temporary folder, its process group's end)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+for line in sys.stdin:
+    request = json.loads(line)
+    pids = []
+    for rank in range(request["ranks"]) if request.get("ranks") else [None]:
+        pid = os.fork()
+        if pid == 0:
+            child(request, rank)
+        pids.append(pid)
+    print(json.dumps({"pids": pids}), flush=True)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    print(json.dumps({"status": next((c for c in codes if c), 0)}), flush=True)
+"""
+
+
+class ForkServer:
+    """Runs Python scripts as ``python script argv...`` would, each in a process of its own forked from one that
+    imported torch, transformers and hf_sms once: a script costs its own work, not ~5-9 s of imports."""
+
+    def __init__(self):
+        import json
+
+        self._json = json
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+        )
+
+    def _reply(self, timeout: float):
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self._json.loads(self.proc.stdout.readline()) if ready else None
+
+    def run(self, script, argv=(), cwd=".", env=None, timeout: float = 600, nproc: int = 1) -> SimpleNamespace:
+        """``returncode``, ``stdout``, ``stderr`` of the script; ``returncode`` None if it ran past ``timeout``.
+        ``nproc`` > 1: that many processes with torchrun's variables (rank, world size, a free port), their outputs
+        joined in rank order, the first non-zero exit code."""
+        import signal
+        import socket
+        import tempfile
+
+        out = tempfile.mkdtemp(dir=cwd)
+        request = {"script": str(script), "argv": [str(a) for a in argv], "cwd": str(cwd), "env": dict(env or {})}
+        request.update(stdout=os.path.join(out, "stdout"), stderr=os.path.join(out, "stderr"))
+        if nproc > 1:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                request.update(ranks=nproc, port=s.getsockname()[1])
+        self.proc.stdin.write(self._json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pids, done = self._reply(60)["pids"], self._reply(timeout)
+        if done is None:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            self._reply(60)
+        suffixes = [f".{r}" for r in range(nproc)] if nproc > 1 else [""]
+
+        def read(name):
+            return "".join(open(request[name] + suffix).read() for suffix in suffixes)
+
+        return SimpleNamespace(returncode=done and done["status"], stdout=read("stdout"), stderr=read("stderr"))
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+_SERVER: list[ForkServer] = []
+
+
+def fork_server_of_this_process() -> ForkServer:
+    """This test process's fork server, started when first needed and stopped at its exit."""
+    if not _SERVER:
+        import atexit
+
+        _SERVER.append(ForkServer())
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]
+
+
+@pytest.fixture(scope="session")
+def fork_server():
+    return fork_server_of_this_process()
+
+
+def launch(script, *args, nproc: int = 1, timeout: float = 300, cwd=None) -> str:
+    """``python script args`` (``torchrun --nproc_per_node nproc`` for several processes) as a fresh process forked
+    from this process's fork server; its stdout; the test fails with its output if it fails."""
+    import tempfile
+
+    cwd = cwd or tempfile.mkdtemp()
+    proc = fork_server_of_this_process().run(script, args, cwd=cwd, timeout=timeout, nproc=nproc)
+    if proc.returncode is None:
+        pytest.fail(f"{script} ran longer than {timeout} s:\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout

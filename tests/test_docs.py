@@ -5,10 +5,7 @@ A block fenced ```python no-test (one that needs the network, e.g. an upload to 
 """
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,21 +38,13 @@ def test_the_docs_have_examples():
 
 
 @pytest.mark.parametrize(("name", "line", "code"), BLOCKS)
-def test_python_block_runs(tmp_path, name, line, code):
+def test_python_block_runs(fork_server, tmp_path, name, line, code):
+    """Each block a fresh process (forked from one that imported torch, transformers and hf_sms: a block costs its
+    own work, not its imports), in its own folder."""
     script = tmp_path / "example.py"
     script.write_text(code)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),  # this checkout
-        "OMP_NUM_THREADS": "1",  # tiny models: two OpenMP threads on shared cores run many times slower
-    }
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
+    proc = fork_server.run(script, cwd=tmp_path, timeout=TIMEOUT_S)
+    if proc.returncode is None:
         pytest.fail(f"{name} (line {line}) ran longer than {TIMEOUT_S} s")
     if proc.returncode != 0:
         pytest.fail(

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import TOP1_METRIC_SCRIPT, untimed
+from conftest import TOP1_METRIC_SCRIPT, launch, untimed
 from safetensors.torch import load_file
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -42,21 +42,21 @@ def _max_diff(a, b) -> float:
 @pytest.fixture(scope="module")
 def sequential(tmp_path_factory):
     out = tmp_path_factory.mktemp("seq") / "run"
-    _run(_cmd(1, "sms_digits.py", out, "--baselines", "imp", "imp_reprune", "imp_phases", "imp_swa",
-              "swamp", "imp_reprune_cia", "imp_reprune_caa"))  # fmt: skip
+    launch(SCRIPTS / "sms_digits.py", out, "--baselines", "imp", "imp_reprune", "imp_phases", "imp_swa",
+              "swamp", "imp_reprune_cia", "imp_reprune_caa", nproc=1)  # fmt: skip
     return out
 
 
 @pytest.mark.parametrize("mode", ["replicas", "group"])
 def test_world_collectives_on_two_processes(mode, tmp_path):
-    out = _run(_cmd(2, "world_checks.py", mode, tmp_path))
+    out = launch(SCRIPTS / "world_checks.py", mode, tmp_path, nproc=2)
     assert out.count("OK") == 2
 
 
 def test_two_processes_give_the_sequential_soup(sequential, tmp_path):
     out = tmp_path / "run"
-    _run(_cmd(2, "sms_digits.py", out, "--baselines", "imp", "imp_reprune", "imp_phases", "imp_swa",
-              "swamp", "imp_reprune_cia", "imp_reprune_caa"))  # fmt: skip
+    launch(SCRIPTS / "sms_digits.py", out, "--baselines", "imp", "imp_reprune", "imp_phases", "imp_swa",
+              "swamp", "imp_reprune_cia", "imp_reprune_caa", nproc=2)  # fmt: skip
     assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
     for rank in (0, 1):  # code after run_sms sees the launcher's variables again (they were deleted for good)
         assert (out / f"env-rank{rank}.txt").read_text() == f"RANK={rank} WORLD_SIZE=2 LOCAL_RANK={rank}"
@@ -80,8 +80,8 @@ def test_two_processes_give_the_sequential_soup_of_subset_replicas(tmp_path, kin
     into which its soup is written only once the second's candidates are scored."""
     runs = {n: tmp_path / f"p{n}" for n in (1, 2)}
     for n, out in runs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--replica-params", kind, "--baselines", "imp", "--pairwise",
-                  "--merge-methods", "uniform", "greedy"))  # fmt: skip
+        launch(SCRIPTS / "sms_digits.py", out, "--replica-params", kind, "--baselines", "imp", "--pairwise",
+                  "--merge-methods", "uniform", "greedy", nproc=n)  # fmt: skip
     assert _max_diff(_soup(runs[1]), _soup(runs[2])) == 0.0
     seq, par = (json.loads((d / "results.json").read_text()) for d in runs.values())
     assert untimed(par["rows"]) == untimed(seq["rows"]) and par["replica_params"] == kind
@@ -95,7 +95,7 @@ def test_pruning_during_training_with_sms_on_two_processes(tmp_path, method):
     # the plain run before the copies is trained by one process and shared; the copies train in parallel
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
     for n, out in outs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--pruning-method", method, "--steps", "12"))
+        launch(SCRIPTS / "sms_digits.py", out, "--pruning-method", method, "--steps", "12", nproc=n)
     assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
     par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
     soup_rows = par["rows"]["sms_uniform" if method == "dpf" else "sms_greedy"]  # DPF: the re-pruned uniform mean
@@ -107,8 +107,8 @@ def test_a_process_may_sit_out_a_phase_with_fewer_replicas(tmp_path):
     # soups that see the phase's start (DARE's seeded drop, Model Stock's angle) gather every candidate
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
     for n, out in outs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--per-phase", "2", "1", "--merge-methods", "dare", "model_stock",
-                  "learned", "--pairwise", "--learned-steps", "50"))  # fmt: skip
+        launch(SCRIPTS / "sms_digits.py", out, "--per-phase", "2", "1", "--merge-methods", "dare", "model_stock",
+                  "learned", "--pairwise", "--learned-steps", "50", nproc=n)  # fmt: skip
     # every rank closes the group accelerate opened: left open, gloo's threads can abort the exit (SIGABRT)
     assert [(outs[2] / f"exit-rank{r}.txt").read_text() for r in (0, 1)] == ["closed", "closed"]
     assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
@@ -133,7 +133,7 @@ def test_two_processes_give_the_sequential_soup_for_every_family(tmp_path, famil
     # each process saves the replicas it owns in the family's own format (transformers, timm, smp)
     outs = {n: tmp_path / f"run{n}" for n in (1, 2)}
     for n, out in outs.items():
-        _run(_cmd(n, "sms_families.py", family, out, "--structure", structure))
+        launch(SCRIPTS / "sms_families.py", family, out, "--structure", structure, nproc=n)
     assert _max_diff(_soup(outs[2]), _soup(outs[1])) <= 1e-6
     par, seq = (json.loads((d / "results.json").read_text()) for d in outs.values())
     assert untimed(par["rows"]) == untimed(seq["rows"]) and par["dense"] == seq["dense"]
@@ -188,7 +188,7 @@ def test_evaluation_is_shared_by_two_and_three_processes_with_identical_values(t
     for n in (1, 2, 3):
         out = tmp_path / f"n{n}"
         out.mkdir()
-        _run(_cmd(n, "eval_shards.py", out, tmp_path / "top1.py"))
+        launch(SCRIPTS / "eval_shards.py", out, tmp_path / "top1.py", nproc=n)
         runs[n] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
     (one,) = runs[1]
     assert one["values"]["plain"] == 144.0  # the digits validation split's size, computed by the main process
@@ -209,7 +209,7 @@ def test_three_processes_give_every_row_and_diagnostic_of_one(tmp_path):
     statistics recalibrated by the three together) equal one process's."""
     outs = {n: tmp_path / f"run{n}" for n in (1, 3)}
     for n, out in outs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--replicas", "3", "--steps", "4", "--baselines", "imp"))
+        launch(SCRIPTS / "sms_digits.py", out, "--replicas", "3", "--steps", "4", "--baselines", "imp", nproc=n)
     one, three = (json.loads((outs[n] / "results.json").read_text()) for n in (1, 3))
     assert untimed(one["rows"]) == untimed(three["rows"]) and one["dense"] == three["dense"]
     for a, b in zip(one["sms"], three["sms"], strict=True):
@@ -226,8 +226,8 @@ def test_a_replica_sharded_over_its_group_trains_as_the_data_parallel_group(tmp_
     half of every parameter (FSDP2), and the run gives the soup and rows of the same group training data-parallel."""
     outs = {mode: tmp_path / mode for mode in ("none", "fsdp")}
     for mode, out in outs.items():
-        _run(_cmd(2, "sms_digits.py", out, "--replicas", "1", "--phases", "1", "--steps", "4", "--baselines", "imp",
-                  "--sharding", mode))  # fmt: skip
+        launch(SCRIPTS / "sms_digits.py", out, "--replicas", "1", "--phases", "1", "--steps", "4", "--baselines", "imp",
+                  "--sharding", mode, nproc=2)  # fmt: skip
     assert _max_diff(_soup(outs["fsdp"]), _soup(outs["none"])) <= 1e-6
     par, seq = (json.loads((outs[m] / "results.json").read_text()) for m in ("fsdp", "none"))
     assert untimed(par["rows"]) == untimed(seq["rows"]) and set(par["rows"]) >= {"sms_greedy", "imp"}

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import untimed
+from conftest import launch, untimed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_loop_parallel import ENV, _cmd, _kill_when, _max_diff, _run, _soup
+from test_loop_parallel import ENV, SCRIPTS, _cmd, _kill_when, _max_diff, _run, _soup
 
 from hf_sms.loop.schedule import assign, place
 
@@ -44,7 +44,7 @@ def test_equal_jobs_spread_as_round_robin_and_long_jobs_go_first():
 @pytest.fixture(scope="module")
 def pooled_one(tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
-    _run(_cmd(1, "sms_digits.py", out, *POOL))
+    launch(SCRIPTS / "sms_digits.py", out, *POOL, nproc=1)
     return out
 
 
@@ -59,7 +59,7 @@ def _same_run(a, b) -> None:
 
 def test_two_processes_run_every_track_side_by_side_with_one_process_numbers(pooled_one, tmp_path):
     out = tmp_path / "run"
-    _run(_cmd(2, "sms_digits.py", out, *POOL))
+    launch(SCRIPTS / "sms_digits.py", out, *POOL, nproc=2)
     _same_run(pooled_one, out)
     world = json.loads((out / "results.json").read_text())["world"]
     assert world["processes"] == 2 and world["groups"] == 2 and world["seconds"] > 0
@@ -84,7 +84,7 @@ def test_two_processes_run_every_track_side_by_side_with_one_process_numbers(poo
 def test_three_processes_run_every_track_with_one_process_numbers(tmp_path):
     outs = {n: tmp_path / f"run{n}" for n in (1, 3)}
     for n, out in outs.items():
-        _run(_cmd(n, "sms_digits.py", out, "--replicas", "3", "--steps", "4", *POOL), timeout=600)
+        launch(SCRIPTS / "sms_digits.py", out, "--replicas", "3", "--steps", "4", *POOL, nproc=n, timeout=600)
     _same_run(outs[1], outs[3])
     jobs = json.loads((outs[3] / "results.json").read_text())["world"]["jobs"]
     assert {j["rank"] for j in jobs if j["kind"] == "train"} == {0, 1, 2}
@@ -127,7 +127,7 @@ def test_shared_idle_groups_train_the_last_job_data_parallel(tmp_path):
     """share_idle_groups: with m = 3 on two groups the third replica of each phase finds both groups free and trains
     data-parallel over them; the masks stay exact and the rows are complete."""
     out = tmp_path / "run"
-    _run(_cmd(2, "sms_digits.py", out, "--replicas", "3", "--share"))
+    launch(SCRIPTS / "sms_digits.py", out, "--replicas", "3", "--share", nproc=2)
     results = json.loads((out / "results.json").read_text())
     train = [j for j in results["world"]["jobs"] if j["kind"] == "train"]
     assert {j["job"]: tuple(j["groups"]) for j in train if j["rank"] == 0 and j["job"].endswith("replica2")} == {

@@ -5,12 +5,11 @@ replicas trained in one process without sharding."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import launch
 from sharded_task import OPTIMS, REPLICAS, STEPS, batch, build, pruned_start
 
 from hf_sms import load_sparse
@@ -47,10 +46,7 @@ def _reference(optim: str) -> dict:
 
 @pytest.mark.parametrize("optim", ["adamw", "rmsprop"])
 def test_fsdp2_replicas_keep_the_mask_and_soup_as_one_process_does(tmp_path, optim):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
-           str(tmp_path), optim]  # fmt: skip
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    launch(SCRIPT, tmp_path, optim, nproc=2)
     checks = json.loads((tmp_path / "checks.json").read_text())
     kept = sum(int(m.sum()) for m in pruned_start()[1].values()) / sum(m.numel() for m in pruned_start()[1].values())
     assert [checks.pop(f"logged_sparsity{i}") for i in range(REPLICAS)] == [pytest.approx(1 - kept)] * REPLICAS
@@ -86,7 +82,7 @@ def test_replicas_are_sharded_block_by_block_outermost_first():
     assert units(plain) == ["0", "2"]
 
 
-def test_causal_lm_replica_sharded_over_two_processes(tmp_path):
+def test_causal_lm_replica_sharded_over_two_processes(tmp_path, fork_server):
     """--replica_sharding fsdp in the causal-LM recipe on 2 processes, m = 1, one phase (transformers' decoder layers
     sharded one by one, tied embeddings in the root): every row equals the same group training data-parallel, and the
     soup loads with plain transformers. (Here, not in test_smoke.py: this file is short, so its worker is not the
@@ -99,11 +95,10 @@ def test_causal_lm_replica_sharded_over_two_processes(tmp_path):
     runs, logs = {}, {}
     for mode in ("none", "fsdp"):
         runs[mode] = tmp_path / mode
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(Path(REPO) / "recipes" / "causal_lm.py"), "--smoke", "--num_replicas", "1",
-               "--n_phases", "1", "--replica_sharding", mode, "--output_dir", str(runs[mode])]  # fmt: skip
-        env = {**ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TMPDIR": str(tmp_path)}
-        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        argv = ["--smoke", "--num_replicas", "1", "--n_phases", "1", "--replica_sharding", mode, "--output_dir",
+                str(runs[mode])]  # fmt: skip
+        proc = fork_server.run(Path(REPO) / "recipes" / "causal_lm.py", argv, cwd=tmp_path,
+                               env={"TMPDIR": str(tmp_path)}, timeout=600, nproc=2)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
         logs[mode] = proc.stderr
     plain, sharded = (json.loads((runs[m] / "results.json").read_text()) for m in ("none", "fsdp"))
@@ -122,10 +117,7 @@ def test_the_trainer_binds_its_masks_again_when_the_model_is_sharded_as_training
     from transformers import LlamaForCausalLM
 
     script = Path(__file__).parent / "scripts" / "trainer_sharded_late.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    launch(script, tmp_path, nproc=2)
     checks = json.loads((tmp_path / "checks.json").read_text())
     assert checks.pop("plain_class") == "LlamaForCausalLM"
     assert all(checks.values()), checks

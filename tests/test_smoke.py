@@ -44,36 +44,40 @@ RUNS = {  # id: (recipe, extra flags, the named test sets every row must carry)
 }
 
 
-def _smoke(tmp_path, recipe, flags, nproc=1):
+def _smoke(tmp_path, recipe, flags, nproc=1, fork_server=None):
     scratch = tmp_path / "tmp"  # the run's temporary folder, removed at its exit
     scratch.mkdir()
-    env = {
-        **os.environ,
-        "TMPDIR": str(scratch),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": "1",  # tiny models: two OpenMP threads on shared cores run many times slower
-    }
     out = tmp_path / "run"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     script = [str(ROOT / "recipes" / f"{recipe}.py"), "--smoke", *flags, "--output_dir", str(out)]
-    command = (launcher if nproc > 1 else [sys.executable]) + script
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    if fork_server is not None:  # fresh processes (torchrun's variables for several), without paying the imports
+        env = {"TMPDIR": str(scratch)}
+        proc = fork_server.run(script[0], script[1:], cwd=tmp_path, env=env, timeout=600, nproc=nproc)
+    else:
+        env = {
+            **os.environ,
+            "TMPDIR": str(scratch),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1",  # tiny models: two OpenMP threads on shared cores run many times slower
+        }
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        command = (launcher if nproc > 1 else [sys.executable]) + script
+        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not list(scratch.glob("hf-sms-smoke-*")), "the smoke data outlived the run"
     return out, proc.stdout
 
 
 @pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory):
+def smoke_runs(tmp_path_factory, fork_server):
     """``run(recipe, flags, nproc=1) -> (output folder, stdout)``, each distinct run once per module."""
     done = {}
 
     def run(recipe, flags, nproc=1):
         key = (recipe, tuple(flags), nproc)
         if key not in done:
-            done[key] = _smoke(tmp_path_factory.mktemp(recipe), recipe, flags, nproc)
+            done[key] = _smoke(tmp_path_factory.mktemp(recipe), recipe, flags, nproc, fork_server)
         return done[key]
 
     return run
