@@ -275,7 +275,7 @@ def test_an_sms_run_reports_the_measured_speedup_of_every_soup(tmp_path, capsys)
     assert saved == record and soup["measured_speedup"] == record and soup["speedup"] > 1
     assert main(["table", str(tmp_path / "run" / "results.json")]) == 0
     out = capsys.readouterr().out
-    assert f"measured {record['speedup']:.2f}x" in out
+    assert f"measured: {record['speedup']:.2f}x" in out
     cells = " | ".join(f"{r['speedup']:.2f}x" for r in soups)
     assert "| SMS (uniform): speedup | phase 1 | phase 2 |" in out and f"| measured | {cells} |" in out
     off = run_sms(

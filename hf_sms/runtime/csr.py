@@ -22,10 +22,18 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
+BLOCK = 1 << 20
+"""Elements of a dense weight turned into CSR at a time on the CPU."""
+
+
 def to_csr(weight: torch.Tensor) -> torch.Tensor:
-    """A 2-D weight as a CSR tensor with 32-bit indices where they fit."""
+    """A 2-D weight as a CSR tensor with 32-bit indices where they fit; on the CPU a block of rows at a time
+    (torch's own conversion holds int64 indices of every nonzero: 16 bytes each, four times the values of fp32)."""
+    w = weight.detach()
+    if w.device.type == "cpu" and w.dim() == 2:
+        return _csr_by_rows(w)
     with quiet_beta():
-        csr = weight.detach().to_sparse_csr()
+        csr = w.to_sparse_csr()
         index = index_dtype(weight.numel())
         return torch.sparse_csr_tensor(
             csr.crow_indices().to(index),
@@ -34,6 +42,25 @@ def to_csr(weight: torch.Tensor) -> torch.Tensor:
             size=csr.shape,
             check_invariants=False,  # built by torch from a dense tensor: valid by construction
         )
+
+
+def _csr_by_rows(w: torch.Tensor) -> torch.Tensor:
+    rows, cols = w.shape
+    index = index_dtype(w.numel())
+    nnz = int(torch.count_nonzero(w))
+    crow, col = torch.zeros(rows + 1, dtype=index), torch.empty(nnz, dtype=index)
+    values, done = torch.empty(nnz, dtype=w.dtype), 0
+    step = max(1, BLOCK // max(cols, 1))
+    for start in range(0, rows, step):
+        block = w[start : start + step]
+        keep = block != 0
+        crow[start + 1 : start + 1 + block.shape[0]] = keep.sum(1).cumsum(0).to(index) + done
+        where = keep.nonzero()  # row-major, as to_sparse_csr orders them
+        col[done : done + len(where)] = where[:, 1].to(index)
+        values[done : done + len(where)] = block[keep]
+        done += len(where)
+    with quiet_beta():
+        return torch.sparse_csr_tensor(crow, col, values, size=(rows, cols), check_invariants=False)
 
 
 class CSRBuilder:
