@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..pruning.masks import PackedMasks
 from ..pruning.prunable import Masks
 from ..soup.averaging import Accumulator
 from .launcher import hide_launcher_env, launcher_env_hidden
@@ -216,6 +217,13 @@ class ReplicaWorld:
         """Rank 0's masks on every rank (masks must never differ across ranks, whatever the seeds)."""
         if self.size == 1:
             return masks
+        if isinstance(masks, PackedMasks):  # as bits: a sixteenth of a bf16 model, never a bool tensor per weight
+            packed = [t.to(self.device).contiguous() for t in masks.packed.values()]
+            for t in packed:
+                dist.broadcast(t, src=0)
+            return PackedMasks(
+                masks.names, masks.shapes.values(), [t.to(o.device) for t, o in zip(packed, masks.packed.values())]
+            )
         out = {}
         for name, mask in masks.items():
             t = mask.to(self.device, torch.uint8).contiguous()

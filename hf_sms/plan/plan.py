@@ -87,7 +87,8 @@ class PruningPlan:
         context = CriterionContext(model, example_inputs, self.seed)
         scores = criterion_scores(self.criterion, tensors, weights, context)
         new = self.structure.masks(model, tensors, scores, current, float(sparsity), example_inputs)
-        return {**{n: given[n] for n in given if n not in new}, **new}  # masks only grow, selected or not
+        extra = [n for n in given if n not in new]  # masks only grow, selected or not
+        return {**{n: given[n] for n in extra}, **new} if extra else new
 
     def tensors(self, model: nn.Module) -> list[PrunableTensor]:
         """The prunable weights this plan prunes in ``model`` (:mod:`hf_sms.pruning.selection`)."""
@@ -277,8 +278,8 @@ def compute_masks(
     plan = resolve_pruning(
         allocation, structure, criterion, seed, unit_multiple, fit_config, prune_modules, skip_modules
     )
-    if plan.cuts_units:  # what a run refuses before work (a unit_multiple keeping every unit), refused here too
-        plan.check(model, sparsity, example_inputs)
+    if plan.cuts_units and unit_multiple > 1:  # a multiple that keeps every unit: refused here too, as a run does
+        plan.structure.check_multiple(plan.structure.groups(model, example_inputs), sparsity)
     return plan.masks(model, sparsity, masks, example_inputs)
 
 

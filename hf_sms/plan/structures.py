@@ -227,6 +227,11 @@ class Units(Structure):
                     f"target_sparsity={target:g} removes all {g.n_units} {g.kind} of {g.name}; a layer keeps at "
                     f"least one: use a target below {1 - 0.5 / g.n_units:.4g}"
                 )
+        self.check_multiple(groups, target)
+
+    def check_multiple(self, groups, target: float) -> None:
+        """Refuse a ``unit_multiple`` that keeps every unit of every group at ``target``; warn where it keeps some
+        groups whole."""
         whole = [g for g in groups if keep_count(g.n_units, target, g.n_units, self.unit_multiple) >= g.n_units]
         if whole and self.unit_multiple > 1:  # rounding up to the multiple keeps every unit of these groups
             names = ", ".join(f"{g.name} ({g.n_units} {g.kind})" for g in whole[:4]) + (

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..registry import ALLOCATIONS
+from .masks import PackedMasks
 from .prunable import Masks, PrunableTensor, first_use, last_use
 from .select import ElementwiseScores, Lazy, top_k
 
@@ -55,8 +56,9 @@ def _global_top(tensors, scores: dict[str, torch.Tensor], masks: Masks, sparsity
         # one tensor's scores (or float32 weights) and mask at a time: the masks may be made as they are read
         on = Lazy(tensors, lambda t: masks[t.name].to(t.param.device))
         like = [t.param for t in tensors]
-        kept = top_k(Lazy(names, given.__getitem__), on, n_keep, transform=scores.fn if lazy else None, like=like)
-        return {t.name: keep for t, keep in zip(tensors, kept)}
+        transform = scores.fn if lazy else None
+        kept = top_k(Lazy(names, given.__getitem__), on, n_keep, transform=transform, like=like, packed_bits=True)
+        return PackedMasks(names, [t.param.shape for t in tensors], kept)  # bits until each is used
     flat = torch.cat([_masked_scores(scores[t.name], masks[t.name]).reshape(-1) for t in tensors])
     alive = int(sum(int(masks[t.name].sum()) for t in tensors))
     keep = _keep_top(flat, _n_keep(flat.numel(), sparsity, alive))

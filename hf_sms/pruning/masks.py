@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .bits import unpack_bits
 from .prunable import Masks, PrunableTensor, prunable_tensors
 from .selection import ModuleSelection
 
@@ -71,6 +72,23 @@ def apply_masks(model: nn.Module, masks: Masks) -> nn.Module:
 def masks_from_model(model: nn.Module) -> Masks:
     """Masks read off the zeros of the prunable weights (a weight that is exactly 0 counts as pruned)."""
     return {t.name: t.param.detach() != 0 for t in prunable_tensors(model)}
+
+
+class PackedMasks(Mapping):
+    """Masks held as bits (one bit a weight: a sixteenth of a bf16 model's bytes), each unpacked to a bool tensor
+    when asked for: what a pruning step computes for a whole model before it is applied and measured."""
+
+    def __init__(self, names, shapes, packed):
+        self.names, self.shapes, self.packed = list(names), dict(zip(names, shapes)), dict(zip(names, packed))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return unpack_bits(self.packed[name], self.shapes[name])
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 class WeightZeros(Mapping):

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from .bits import pack_bits
+
 CHUNK = 1 << 20  # elements per histogram step: 8 MiB of int64 keys
 
 
@@ -87,18 +89,29 @@ def _chunks(scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], trans
 
 
 def top_k(
-    scores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], k: int, transform=None, like=None
+    scores: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    k: int,
+    transform=None,
+    like=None,
+    packed_bits: bool = False,
 ) -> list[torch.Tensor]:
     """Bool masks keeping exactly the ``k`` largest scores over all tensors (float32 or narrower; entries whose mask
     is False rank lowest), ties broken by position with the tensors in order. ``transform``: the scores are
     ``transform(scores)``, applied chunk by chunk (:class:`ElementwiseScores`: ``scores`` are then the weights).
     ``scores`` and ``masks`` are read one tensor at a time, in order: they may be made as they are asked for
-    (:class:`Lazy`), given ``like``, tensors of their shapes and devices (the weights)."""
+    (:class:`Lazy`), given ``like``, tensors of their shapes and devices (the weights). ``packed_bits``: each mask
+    as :func:`hf_sms.pruning.masks.pack_bits` packs it (uint8), as it is built."""
     like = list(scores) if like is None else like
-    out = [torch.zeros(s.numel(), dtype=torch.bool, device=s.device) for s in like]
     total = sum(s.numel() for s in like)
+
+    def whole(t: torch.Tensor, fill: bool) -> torch.Tensor:
+        mask = torch.full(t.shape, fill, dtype=torch.bool, device=t.device)
+        return pack_bits(mask) if packed_bits else mask
+
     if k >= total:
-        return [o.fill_(True).view(s.shape) for o, s in zip(out, like)]
+        return [whole(s, True) for s in like]
+    out: list[torch.Tensor | None] = [None] * len(like)
     prefix, need = 0, k  # among keys that start with ``prefix``, the ``need`` largest are still to keep
     for shift in (24, 16, 8, 0):
         hist = torch.zeros(256, dtype=torch.int64, device=like[0].device)
@@ -110,12 +123,21 @@ def top_k(
         d = int((above >= need).nonzero().max()) if need > 0 else 255
         need -= int(above[d + 1]) if d < 255 else 0  # those with a larger digit are all kept
         prefix = prefix * 256 + d
-    ties = need
+    ties, current, buffer = need, None, None
+
+    def finish() -> None:  # one tensor's bool mask exists at a time; with packed_bits it is kept as bits
+        if current is not None:
+            out[current] = pack_bits(buffer) if packed_bits else buffer.view(like[current].shape)
+
     for i, keys, start in _chunks(scores, masks, transform) if k > 0 else ():
+        if i != current:
+            finish()
+            current, buffer = i, torch.zeros(like[i].numel(), dtype=torch.bool, device=like[i].device)
         keep = keys > prefix
         if ties > 0:
             equal = (keys == prefix).nonzero().reshape(-1)[:ties]
             keep[equal] = True
             ties -= equal.numel()
-        out[i][start : start + keys.numel()] = keep
-    return [o.view(s.shape) for o, s in zip(out, like)]
+        buffer[start : start + keys.numel()] = keep
+    finish()
+    return [o if o is not None else whole(s, False) for o, s in zip(out, like)]
