@@ -28,6 +28,7 @@ def test_gpu_check_and_the_scripts_it_calls_parse():
         "benchmarks/batchnorm_processes.py",
         "benchmarks/learned_soup_memory.py",
         "benchmarks/trainer_fsdp.py",
+        "benchmarks/llm_phase.py",
     } <= called
     for path in called:
         py_compile.compile(str(ROOT / path), doraise=True)
@@ -57,6 +58,8 @@ def test_gpu_check_dry_run():
         "OK   no FSDP: masks exact after training",
         "OK   no FSDP: save_model -> load_sparse",
         "== (j)",
+        "== (llm7b)",
+        '"soup_mask_exact": true',
         "gpu_check done",
     ):
         assert step in out
