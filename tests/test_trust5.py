@@ -448,3 +448,25 @@ def test_a_smaller_model_that_removes_little_says_how_to_remove_more(caplog):
         final = plan.final(model, dense, x)
     assert final.shrunk.parameter_ratio > 0.9
     assert "fit_config=False prunes every unit" in caplog.text and "removes" in caplog.text
+
+
+def test_a_full_disk_while_the_program_is_written_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """Item 14: torch's C++ writer aborted Python (SIGABRT) on a full disk and left the temp folder."""
+    import errno
+
+    from hf_sms.checkpoint import plain
+
+    model = _hf("BloomForCausalLM", "BloomConfig", vocab_size=64, hidden_size=16, n_layer=2, n_head=2)().eval()
+    x = _tokens()
+    hf_sms.apply_masks(model, hf_sms.compute_masks(model, 0.5, structure="neurons", example_inputs=x))
+    smaller = hf_sms.shrink(model, x, structure="neurons")
+
+    def full(path, mode="r", *args, **kwargs):
+        if str(path).endswith("model.pt2") and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(plain, "open", full, raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        hf_sms.save_sparse(smaller, str(tmp_path / "small"), example_inputs=x)
+    assert os.listdir(tmp_path) == []  # no folder, no temporary one

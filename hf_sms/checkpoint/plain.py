@@ -20,6 +20,7 @@ Each route is checked before it is offered: what it loads computes the saved mod
 from __future__ import annotations
 
 import inspect
+import io
 import logging
 import os
 import warnings
@@ -180,13 +181,19 @@ def _export_route(model: nn.Module, folder: str, inputs, expected: torch.Tensor)
             return "does not take a larger batch"
         program.example_inputs = None  # saved as a pickle otherwise: the archive holds JSON and raw tensors only
         path = os.path.join(folder, PROGRAM)
-        torch.export.save(program, path)
+        archive = io.BytesIO()  # torch's C++ writer aborts the process on a full disk: Python writes the bytes
+        torch.export.save(program, archive)
+        with open(path, "wb") as f:
+            f.write(archive.getbuffer())
+        del archive
         try:
             check_program(path)  # what the card's lines check before loading it
         except ValueError as e:
             os.remove(path)
             return f"wrote an archive the card's check refuses ({e})"
         return None
+    except OSError:  # the disk (full, read-only): the save fails with its own clear error, nothing half-written kept
+        raise
     except Exception as e:  # noqa: BLE001 - export fails in many ways (data-dependent branches, unsupported ops)
         return f"failed ({type(e).__name__}: {str(e)[:160]})"
     finally:
