@@ -336,11 +336,15 @@ def _check_results(run, command: str) -> None:
             raise ValueError("every entry of 'rows' must be a list of rows (objects), one per phase")
         return
     world = run.get("world")
-    if not isinstance(world, dict):
+    if world is None:
         return  # timeline() says the run recorded no schedule
-    n, jobs = world.get("processes", 1), world.get("jobs", [])
+    if not isinstance(world, dict):
+        raise ValueError(f"'world' must be an object (processes, groups, jobs, seconds), got a {type(world).__name__}")
+    n, jobs, groups = world.get("processes", 1), world.get("jobs", []), world.get("groups", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PROCESSES:
         raise ValueError(f"world.processes must be a count of processes from 1 to {MAX_PROCESSES}, got {n!r}")
+    if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= n:
+        raise ValueError(f"world.groups must be a count of process groups from 1 to processes={n}, got {groups!r}")
     keys = {"rank": int, "start": (int, float), "end": (int, float), "kind": str, "group": (int, type(None))}
     if not isinstance(jobs, list) or not all(
         isinstance(j, dict)
@@ -379,7 +383,8 @@ def timeline_command(args) -> int:
         print(f"hf-sms timeline: error: {e}", file=sys.stderr)
         return 2
     world = run["world"]
-    print(f"{world['processes']} process(es) in {world['groups']} group(s), {world['seconds']:.1f} s")
+    groups, seconds = world.get("groups", 1), world.get("seconds", 0.0)
+    print(f"{world['processes']} process(es) in {groups} group(s), {seconds:.1f} s")
     print(f"{'rank':>4} {'group':>5} {'jobs':>4} {'training s':>10} {'waiting s':>9} {'shared s':>8} {'idle':>6}")
     for r in rows:
         print(

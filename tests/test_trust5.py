@@ -470,3 +470,35 @@ def test_a_full_disk_while_the_program_is_written_is_a_clear_error_and_leaves_no
     with pytest.raises(OSError, match="No space left"):
         hf_sms.save_sparse(smaller, str(tmp_path / "small"), example_inputs=x)
     assert os.listdir(tmp_path) == []  # no folder, no temporary one
+
+
+@pytest.mark.parametrize("world", [[1, 2], {"processes": 2, "jobs": [], "seconds": 1.0}])
+def test_timeline_refuses_a_results_file_whose_world_is_not_a_schedule(tmp_path, capsys, world):
+    """Item 16: a list, or a record without groups, ended in a traceback."""
+    from hf_sms.cli import main
+
+    if isinstance(world, dict):
+        world["groups"] = "two"
+    (tmp_path / "results.json").write_text(json.dumps({"rows": {"sms_uniform": [{}]}, "phases": [0.5], "world": world}))
+    assert main(["timeline", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_from_pretrained_checks_a_dense_folder_whose_record_says_bitmask(tmp_path):
+    """Item 16: a dense folder whose sparsity.json says bitmask, a byte flipped, loaded through from_pretrained."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny_lm()
+    hf_sms.prune(model, 0.5)
+    folder = tmp_path / "soup"
+    hf_sms.save_sparse(model, str(folder), "dense")
+    info = json.loads((folder / "sparsity.json").read_text())
+    (folder / "sparsity.json").write_text(json.dumps({**info, "format": "bitmask"}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[tensors[name].view(-1).nonzero()[0]] += 1.0
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="says bitmask but the weights are not"):
+        AutoModelForCausalLM.from_pretrained(str(folder))

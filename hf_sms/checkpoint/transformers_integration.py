@@ -41,7 +41,7 @@ from .codec import decode_tensor
 from .compressed_tensors import is_compressed_folder
 from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
 from .files import CheckpointFiles
-from .folder import checkpoint_file, read_sparsity
+from .folder import checkpoint_file, read_json, read_sparsity
 from .inspect import verify_checkpoint
 from .masks import MaskStats, eligible
 from .prefetch import Prefetcher
@@ -269,8 +269,12 @@ def check_dense_folder(directory: str) -> None:
             f"build the full-size model and fill the layers that differ at random. Load it with "
             f"hf_sms.load_sparse({directory!r}), which cuts the model to the stored widths"
         )
-    if info.get("format") != "dense":
-        return
+    quant = (read_json(os.path.join(directory, "config.json")) or {}).get("quantization_config") or {}
+    if info.get("format") != "dense" and quant.get("quant_method") in QUANT_METHODS:
+        return  # a bitmask folder: its quantizer checks it while decoding
+    if not info:
+        return  # not an hf-sms folder
+    # a dense folder, or one whose record says bitmask but whose config transformers reads as plain: check it
     problems = verify_checkpoint(CheckpointFiles(directory))[0]
     if problems:
         more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
