@@ -230,7 +230,10 @@ class SparseSoupArguments:
     )
     replica_params: str = field(
         default="all",
-        metadata={"help": "What a replica trains: all, bias_norm, mask_lora, scale_lora (docs/replicas.md)."},
+        metadata={
+            "help": "What a replica trains: all, bias_norm, mask_lora, scale_lora, or mask_lora_norms / "
+            "scale_lora_norms (the adapters and the norm weights; docs/replicas.md)."
+        },
     )
     lora_rank: int = field(default=16, metadata={"help": "Rank of mask_lora / scale_lora adapters."})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / rank."})

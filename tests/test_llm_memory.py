@@ -234,3 +234,27 @@ def test_a_run_with_baselines_leaves_the_model_as_it_was(tmp_path):
     soup, _ = run_sms(model, args, data[:16], ClassificationAccuracy(), eval_dataset=data[16:])
     assert soup is not model and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert isinstance(model, nn.Module)
+
+
+def test_lora_replicas_train_the_norms_too_when_asked(tmp_path):
+    """PERP's combinations (replica_params="mask_lora_norms"): each replica trains its adapters and its own copy of
+    the norm weights; the soup averages the norms and adds the mean update under the mask."""
+    model = llama(4)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": (x := torch.randint(1, 64, (8,), generator=g)), "labels": x.clone()} for _ in range(24)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = SparseSoupConfig(output_dir=str(tmp_path), target_sparsity=0.5, n_phases=1, num_replicas=2, max_steps=3,
+                            per_device_train_batch_size=4, learning_rate=1e-2, report_to="none", use_cpu=True,
+                            replica_params="mask_lora_norms", measure_speedup=False, disable_tqdm=True)  # fmt: skip
+    replica = make_replica(model, args)
+    trained = {n for n, p in replica.named_parameters() if p.requires_grad}
+    assert "model.norm.weight" in trained and any(".lora_A." in n for n in trained)
+    assert not any(n.endswith("proj.base_layer.weight") for n in trained)
+    soup, results = run_sms(model, args, rows[:16], NegativePerplexity(), eval_dataset=rows[16:20],
+                            test_dataset=rows[20:])  # fmt: skip
+    after = soup.state_dict()
+    assert not torch.equal(after["model.norm.weight"], before["model.norm.weight"])  # the norms trained
+    for name, value in after.items():
+        if name in before and "layers" in name and name.endswith("proj.weight"):
+            assert torch.equal(value != 0, (before[name] != 0) & (value != 0))  # no pruned weight revived
+    assert results["rows"]["sms_uniform"][-1]["sparsity"] == pytest.approx(0.5, abs=1e-3)

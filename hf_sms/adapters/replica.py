@@ -109,6 +109,18 @@ REPLICA_PARAMS.add(
 )
 
 
+def _norm(name: str, param: nn.Parameter, module: nn.Module) -> bool:
+    return is_norm(module)
+
+
+for _kind, _what in (("mask_lora", "MaskLoRA adapters W + M*(BA)"), ("scale_lora", "ScaleLoRA adapters W*(1+BA)")):
+    REPLICA_PARAMS.add(  # PERP's combinations: the adapters and the normalization layers' weights
+        f"{_kind}_norms",
+        ReplicaParams(adapters=_kind, trains=_norm, description=f"{_what} on the prunable linears and the norms"),
+        check=check_subset,
+    )
+
+
 def kind_of(args) -> ReplicaParams:
     return REPLICA_PARAMS.get(getattr(args, "replica_params", "all"))
 
@@ -138,7 +150,7 @@ def make_replica(start: nn.Module, args) -> nn.Module:
     frozen = {
         name: p
         for name, p in start.named_parameters(remove_duplicate=False)
-        if kind.adapters is not None or not kind.trains(name, p, owner[name])
+        if kind.trains is None or not kind.trains(name, p, owner[name])
     }
     # new Parameter objects over the same storage: the start's own keep their requires_grad
     memo = {id(p): nn.Parameter(p.data, requires_grad=False) for p in frozen.values()}
@@ -160,9 +172,12 @@ def make_replica(start: nn.Module, args) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(getattr(args, "seed", 0), "lora"))
         replica = inject_adapter_in_model(config, replica)
-    for p in replica.parameters():  # peft keeps adapters in the base's dtype: fp32 for the optimizer's sake
-        if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
-            p.data = p.data.float()
+    for name, p in replica.named_parameters():
+        if ".lora_" in name:  # peft keeps adapters in the base's dtype: fp32 for the optimizer's sake
+            if p.dtype in (torch.float16, torch.bfloat16):
+                p.data = p.data.float()
+        elif plain_name(name) not in frozen:  # the norms a "_norms" kind trains too (peft froze them)
+            p.requires_grad_(True)
     return replica
 
 
@@ -210,12 +225,13 @@ def soup_of_states(
     ``in_place``: written into ``start`` itself (no new weights; every replica sharing its weights changes too)."""
     kind = kind_of(args)
     layers = [] if kind.adapters is None else lora_layers(template or make_replica(start, args))
-    changed = set(states[0]) if kind.adapters is None else {plain_name(prefix) + ".weight" for prefix, _ in layers}
+    plain = [k for k in states[0] if ".lora_" not in k]  # tensors a replica trains itself (biases, norms)
+    changed = {plain_name(k) for k in plain} | {plain_name(prefix) + ".weight" for prefix, _ in layers}
     model = start if in_place else _sharing(start, changed)
     params = dict(model.named_parameters())
-    if kind.adapters is None:  # the trained tensors themselves: their weighted mean (float64 sums, as every soup)
-        for name in states[0]:
-            params[name].copy_(average_tensors([s[name] for s in states], weights))
+    for key in plain:  # the trained tensors themselves: their weighted mean (float64 sums, as every soup)
+        params[plain_name(key)].copy_(average_tensors([s[key] for s in states], weights))
+    if kind.adapters is None:
         return model
     for prefix, layer in layers:
         weight = params[plain_name(prefix) + ".weight"]
@@ -242,11 +258,10 @@ def replica_distances(start: nn.Module, states: Sequence[State], args, template=
     :func:`soup_of_states`)."""
     n, kind = len(states), kind_of(args)
     sq = {(i, j): 0.0 for i in range(n) for j in range(i + 1, n)}
-    if kind.adapters is None:
-        for name in states[0]:
-            for i, j in sq:
-                sq[i, j] += float((states[i][name].double() - states[j][name].double()).square().sum())
-    else:
+    for name in (k for k in states[0] if ".lora_" not in k):  # what a replica trains itself
+        for i, j in sq:
+            sq[i, j] += float((states[i][name].double() - states[j][name].double()).square().sum())
+    if kind.adapters is not None:
         for prefix, layer in lora_layers(template or make_replica(start, args)):
             for rows in row_blocks(layer.get_base_layer().weight):  # a block of each replica's update at a time
                 deltas = [layer_update(layer, [s], [1.0], prefix, rows) for s in states]

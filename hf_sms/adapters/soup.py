@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..registry import SOUPS
+from ..soup.averaging import average_tensors
 from ..soup.method import SoupMethod
 from .replica import kind_of, lora_layers, make_replica, soup_of_states
 
@@ -79,8 +80,11 @@ def adapter_soup(template: nn.Module, states: Sequence[StateDict], weights: Sequ
     k*r, ``G * (s [w_1 B_1 ... w_k B_k] [A_1; ...; A_k])``: the soup the merge writes, up to rounding, for the cost of
     k adapters instead of new weights for every adapted layer. Without LoRA dropout: the merged soup has none."""
     states, weights = _used(states, weights)
-    saved = []
+    saved, params = [], dict(template.named_parameters())
+    plain = {k: params[k].detach().clone() for k in states[0] if ".lora_" not in k}  # a "_norms" kind's norms
     try:
+        for key in plain:
+            params[key].data.copy_(average_tensors([s[key] for s in states], weights))
         for prefix, layer in lora_layers(template):
             a, b = layer.lora_A[adapter], layer.lora_B[adapter]
             saved.append((layer, a.weight, b.weight, layer.lora_dropout[adapter]))
@@ -94,3 +98,5 @@ def adapter_soup(template: nn.Module, states: Sequence[StateDict], weights: Sequ
         for layer, a, b, dropout in saved:
             layer.lora_A[adapter].weight, layer.lora_B[adapter].weight = a, b
             layer.lora_dropout[adapter] = dropout
+        for key, value in plain.items():
+            params[key].data.copy_(value)
