@@ -77,9 +77,10 @@ def departures(args, model=None) -> list[str]:
     kind = getattr(args, "replica_params", "all")
     if kind != "all":  # the baselines train it too, so the rows compare like with like
         baselines = list(getattr(args, "baselines", None) or ())
-        who = f"every replica and the baselines {', '.join(baselines)}" if baselines else "every replica"
+        who = f"every replica and the baselines {', '.join(baselines)} retrain" if baselines else None
+        who = who or "every replica retrains"
         out.append(
-            f"{who} retrain {REPLICA_PARAMS.get(kind).description}, the rest of the model frozen "
+            f"{who} {REPLICA_PARAMS.get(kind).description}, the rest of the model frozen "
             f"(replica_params={kind!r}; the paper retrains every parameter)"
         )
     optim = str(getattr(args, "optim", "sgd")).split(".")[-1].lower()

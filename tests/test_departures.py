@@ -28,7 +28,7 @@ def test_departures_name_what_differs_from_the_paper(tmp_path):
     said = departures(sms_config(tmp_path, replica_params="mask_lora", weight_decay=1e-4, baselines=["imp"]))
     assert len(said) == 1 and "every replica and the baselines imp retrain MaskLoRA adapters" in said[0]
     said = departures(sms_config(tmp_path, replica_params="mask_lora", weight_decay=1e-4))  # no baseline: none named
-    assert said[0].startswith("every replica retrain")
+    assert said[0].startswith("every replica retrains")
 
 
 def test_a_run_says_its_departures_in_the_log_results_and_card(tmp_path, caplog):

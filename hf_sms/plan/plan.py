@@ -83,7 +83,11 @@ class PruningPlan:
 
         # Made as they are read, one tensor at a time: a model's masks (a quarter of its fp32 bytes) and, for a
         # bf16 model, its float32 weights (twice its bytes) are never held at once (the criteria may hold scores).
+        def stored(name: str) -> torch.Tensor:  # no float32 copy: an elementwise criterion converts chunk by chunk
+            return params[name].detach() if zero_where_pruned(name) else weight(name)
+
         current, weights = LazyMapping(params, current_mask), LazyMapping(params, weight)
+        weights.stored = LazyMapping(params, stored)
         context = CriterionContext(model, example_inputs, self.seed)
         scores = criterion_scores(self.criterion, tensors, weights, context)
         new = self.structure.masks(model, tensors, scores, current, float(sparsity), example_inputs)

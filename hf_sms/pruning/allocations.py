@@ -53,10 +53,16 @@ def _global_top(tensors, scores: dict[str, torch.Tensor], masks: Masks, sparsity
         alive = sum(int(torch.count_nonzero(masks[t.name])) for t in tensors)  # a bool sum() upcasts to int64
         n_keep = _n_keep(numel, sparsity, alive)
         given, names = scores.weights if lazy else scores, [t.name for t in tensors]
+        transform = scores.fn if lazy else None
+        if lazy and getattr(given, "stored", None) is not None:  # a bf16 model's weights as stored, no fp32 copy:
+            given, fn = given.stored, scores.fn  # |w| and w**2 of each chunk in float32, the copy's very values
+
+            def transform(part, fn=fn):
+                return fn(part.float())
+
         # one tensor's scores (or float32 weights) and mask at a time: the masks may be made as they are read
         on = Lazy(tensors, lambda t: masks[t.name].to(t.param.device))
         like = [t.param for t in tensors]
-        transform = scores.fn if lazy else None
         kept = top_k(Lazy(names, given.__getitem__), on, n_keep, transform=transform, like=like, packed_bits=True)
         return PackedMasks(names, [t.param.shape for t in tensors], kept)  # bits until each is used
     flat = torch.cat([_masked_scores(scores[t.name], masks[t.name]).reshape(-1) for t in tensors])
