@@ -45,6 +45,8 @@ def rss():
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
 
 g = torch.Generator().manual_seed(0)
+# a bf16 model is built in bf16: built in fp32 and cast, the process's peak (ru_maxrss) would be that cast's
+torch.set_default_dtype(torch.bfloat16 if s["dtype"] == "bf16" else torch.float32)
 if s["shape"] == "llama7b":
     config = LlamaConfig(vocab_size=512, hidden_size=4096, intermediate_size=11008, num_hidden_layers=s["layers"],
                          num_attention_heads=32, num_key_value_heads=32, pad_token_id=0)
@@ -58,8 +60,7 @@ else:
     model, metric = LlamaForSequenceClassification(config), ClassificationAccuracy()
     rows = [{"input_ids": torch.randint(1, 32000, (s["seq"],), generator=g), "labels": i % 4} for i in range(64)]
 cuda = s["device"] == "cuda"
-if s["dtype"] == "bf16":
-    model = model.to(torch.bfloat16)
+torch.set_default_dtype(torch.float32)
 params = sum(p.numel() for p in model.parameters())
 linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -82,9 +83,11 @@ if s["timeline"]:
             show(record.getMessage()[:110])
     logging.getLogger("hf_sms").addHandler(Lines())
     import hf_sms.loop.rounds as rounds, hf_sms.loop.sms as sms, hf_sms.loop.recorder as recorder
-    for owner, name in [(rounds, "_prune"), (rounds, "subset_weights"), (rounds, "replica_distances"),
-                        (rounds, "build_subset_soup"), (recorder.Recorder, "candidate_scores"),
-                        (recorder.Recorder, "measure"), (sms, "save_final_soup")]:
+    import hf_sms.loop.replica_training as training
+    watch = [(rounds, "_prune"), (training, "fit"), (rounds, "subset_weights"), (rounds, "replica_distances"),
+             (rounds, "build_subset_soup"), (recorder.Recorder, "candidate_scores"), (recorder.Recorder, "measure"),
+             (sms, "save_final_soup")]
+    for owner, name in watch:
         def watched(fn, name=name):
             @functools.wraps(fn)
             def call(*a, **k):
@@ -108,6 +111,7 @@ args = SparseSoupConfig(**settings)
 if cuda:
     torch.cuda.reset_peak_memory_stats()
 run_sms(model, args, rows[:48], metric, eval_dataset=rows[48:56], test_dataset=rows[56:])
+show("run_sms returned")
 seconds = time.perf_counter() - t0
 import shutil; shutil.rmtree(args.output_dir, ignore_errors=True)  # its checkpoints, measured already
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
