@@ -23,7 +23,15 @@ from transformers import HfArgumentParser, TrainingArguments, set_seed
 from .checkpoint import load_sparse, save_sparse
 from .checkpoint.folder import read_sparsity
 from .data import VALIDATION_SEED
-from .evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupted_dataset, imagenet_c_files, load_cifar_c
+from .evaluation.corruptions import (
+    CORRUPTIONS,
+    SEVERITIES,
+    ArrayImages,
+    ImageFiles,
+    corrupted_dataset,
+    imagenet_c_files,
+    load_cifar_c,
+)
 from .evaluation.named import MeanOverSets
 from .evaluation.subgroups import SubgroupRecall
 from .loop.distributed import launched_world_size
@@ -278,42 +286,6 @@ def stack_collate(items: list[dict]) -> dict:
     input of the model.
     """
     return {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0] if k != "group"}
-
-
-class ArrayImages(torch.utils.data.Dataset):
-    """Items ``{"x": transform(PIL image), "labels": int}`` of uint8 ``(N, H, W, 3)`` images and their labels
-    (numpy arrays or memory maps, e.g. the corrupted test sets of :mod:`hf_sms.evaluation.corruptions`)."""
-
-    def __init__(self, images, labels, transform: Callable):
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.images, self.labels, self.transform = images, labels, transform
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> dict:
-        from PIL import Image
-
-        return {"x": self.transform(Image.fromarray(np.asarray(self.images[i]))), "labels": int(self.labels[i])}
-
-
-class ImageFiles(torch.utils.data.Dataset):
-    """Items ``{"x": transform(PIL image), "labels": int}`` of image files, each labelled by the index of its class
-    folder among ``classes`` (ImageNet-C's ``<wnid>`` folders: the wnids sorted, as ImageNet's labels are)."""
-
-    def __init__(self, files: list, classes: list[str], transform: Callable):
-        index = {c: i for i, c in enumerate(classes)}
-        self.files, self.labels, self.transform = [p for p, _ in files], [index[c] for _, c in files], transform
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> dict:
-        from PIL import Image
-
-        with Image.open(self.files[i]) as image:
-            return {"x": self.transform(image.convert("RGB")), "labels": self.labels[i]}
 
 
 _PRETRAINING = ("pretrain_epochs", "pretrain_schedule", "learning_rate", "per_device_train_batch_size")

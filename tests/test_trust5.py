@@ -454,7 +454,7 @@ def test_a_full_disk_while_the_program_is_written_is_a_clear_error_and_leaves_no
     """Item 14: torch's C++ writer aborted Python (SIGABRT) on a full disk and left the temp folder."""
     import errno
 
-    from hf_sms.checkpoint import plain
+    from hf_sms import atomic
 
     model = _hf("BloomForCausalLM", "BloomConfig", vocab_size=64, hidden_size=16, n_layer=2, n_head=2)().eval()
     x = _tokens()
@@ -462,11 +462,11 @@ def test_a_full_disk_while_the_program_is_written_is_a_clear_error_and_leaves_no
     smaller = hf_sms.shrink(model, x, structure="neurons")
 
     def full(path, mode="r", *args, **kwargs):
-        if str(path).endswith("model.pt2") and "w" in mode:
+        if str(path).endswith(".pt2") and "w" in mode:  # the temp file beside model.pt2
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(plain, "open", full, raising=False)
+    monkeypatch.setattr(atomic, "open", full, raising=False)
     with pytest.raises(OSError, match="No space left"):
         hf_sms.save_sparse(smaller, str(tmp_path / "small"), example_inputs=x)
     assert os.listdir(tmp_path) == []  # no folder, no temporary one

@@ -28,6 +28,7 @@ import warnings
 import torch
 from torch import nn
 
+from ..atomic import atomic_write
 from ..shrinking.shrink import eval_output, main_output
 from .constants import PROGRAM, TIMM_WIDTHS, WEIGHTS_NAME
 from .program_check import check_program
@@ -183,7 +184,7 @@ def _export_route(model: nn.Module, folder: str, inputs, expected: torch.Tensor)
         path = os.path.join(folder, PROGRAM)
         archive = io.BytesIO()  # torch's C++ writer aborts the process on a full disk: Python writes the bytes
         torch.export.save(program, archive)
-        with open(path, "wb") as f:
+        with atomic_write(path, "wb") as f:
             f.write(archive.getbuffer())
         del archive
         try:

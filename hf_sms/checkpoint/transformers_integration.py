@@ -39,7 +39,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..shrink_record import ShrinkRecord
 from .codec import decode_tensor
 from .compressed_tensors import is_compressed_folder
-from .constants import FORMAT_VERSION, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS
+from .constants import FORMAT_VERSION, INDEX_NAME, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS, WEIGHTS_NAME
 from .files import CheckpointFiles
 from .folder import checkpoint_file, read_json, read_sparsity
 from .inspect import verify_checkpoint
@@ -272,8 +272,8 @@ def check_dense_folder(directory: str) -> None:
     quant = (read_json(os.path.join(directory, "config.json")) or {}).get("quantization_config") or {}
     if info.get("format") != "dense" and quant.get("quant_method") in QUANT_METHODS:
         return  # a bitmask folder: its quantizer checks it while decoding
-    if not info:
-        return  # not an hf-sms folder
+    if not info or not any(os.path.exists(os.path.join(directory, n)) for n in (WEIGHTS_NAME, INDEX_NAME)):
+        return  # not an hf-sms folder, or no weights (transformers says so itself)
     # a dense folder, or one whose record says bitmask but whose config transformers reads as plain: check it
     problems = verify_checkpoint(CheckpointFiles(directory))[0]
     if problems:

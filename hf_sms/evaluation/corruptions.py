@@ -26,9 +26,11 @@ import os
 import sys
 import types
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..seeding import derive_seed
 
@@ -287,3 +289,39 @@ def corrupted_dataset(images, labels, corruption: str, severity: int, seed: int 
         }
         for i, (image, y) in enumerate(zip(images, labels))
     ]
+
+
+class ArrayImages(torch.utils.data.Dataset):
+    """Items ``{"x": transform(PIL image), "labels": int}`` of uint8 ``(N, H, W, 3)`` images and their labels
+    (numpy arrays or memory maps, e.g. the corrupted test sets of :mod:`hf_sms.evaluation.corruptions`)."""
+
+    def __init__(self, images, labels, transform: Callable):
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        from PIL import Image
+
+        return {"x": self.transform(Image.fromarray(np.asarray(self.images[i]))), "labels": int(self.labels[i])}
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """Items ``{"x": transform(PIL image), "labels": int}`` of image files, each labelled by the index of its class
+    folder among ``classes`` (ImageNet-C's ``<wnid>`` folders: the wnids sorted, as ImageNet's labels are)."""
+
+    def __init__(self, files: list, classes: list[str], transform: Callable):
+        index = {c: i for i, c in enumerate(classes)}
+        self.files, self.labels, self.transform = [p for p, _ in files], [index[c] for _, c in files], transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict:
+        from PIL import Image
+
+        with Image.open(self.files[i]) as image:
+            return {"x": self.transform(image.convert("RGB")), "labels": self.labels[i]}

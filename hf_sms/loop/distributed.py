@@ -31,34 +31,10 @@ import torch.distributed as dist
 
 from ..pruning.masks import PackedMasks
 from ..pruning.prunable import Masks
-from ..soup.averaging import Accumulator
+from ..soup.averaging import Accumulator, flat, pieces
 from .launcher import hide_launcher_env, launcher_env_hidden
 
 StateDict = dict[str, torch.Tensor]
-
-
-BUCKET = 1 << 20  # elements per all-reduce of a soup or distance: float64 copies of 8 MiB, few collectives
-
-
-def _flat(state_dict: StateDict, keys) -> torch.Tensor:
-    tensors = [state_dict[k].reshape(-1) for k in keys]
-    return torch.cat(tensors) if tensors else torch.zeros(0)
-
-
-def _pieces(template: StateDict, keys) -> list[tuple[tuple[str, int, int], ...]]:
-    """``keys``' elements in consecutive pieces of at most ``BUCKET``: ``((key, start, stop), ...)`` each, a larger
-    tensor split over several (a LLaMA's embedding is a third of the model: its float64 copy alone would be 0.8x)."""
-    out, current, size = [], [], 0
-    for k in keys:
-        n, lo = template[k].numel(), 0
-        while lo < n:
-            take = min(n - lo, BUCKET - size)
-            current.append((k, lo, lo + take))
-            size, lo = size + take, lo + take
-            if size == BUCKET:
-                out.append(tuple(current))
-                current, size = [], 0
-    return out + ([tuple(current)] if current else [])
 
 
 def launched_world_size() -> int:
@@ -305,7 +281,7 @@ class ReplicaWorld:
             fresh = given is None or not given.is_contiguous()
             out[k] = torch.empty_like(v, memory_format=torch.contiguous_format) if fresh else given
         # float64 sums and copies of one piece at a time, never of a whole model or tensor
-        for piece in _pieces(template, floats):
+        for piece in pieces(template, floats):
             acc = Accumulator(torch.empty(sum(hi - lo for _, lo, hi in piece)), self.device)
             for i in mine:
                 acc.add(torch.cat([local[i][k].reshape(-1)[lo:hi] for k, lo, hi in piece]), weights[i])
@@ -316,9 +292,9 @@ class ReplicaWorld:
                 out[k].view(-1)[lo:hi].copy_(acc.total[offset : offset + hi - lo])
                 offset += hi - lo
         if ints:
-            acc = Accumulator(_flat(template, ints), self.device)
+            acc = Accumulator(flat(template, ints), self.device)
             if first in mine:
-                acc.add(_flat(local[first], ints))
+                acc.add(flat(local[first], ints))
             if self.size > 1:
                 dist.all_reduce(acc.total)
             offset = 0
@@ -380,7 +356,7 @@ class ReplicaWorld:
         shapes = dict(like.named_parameters())
         params = {i: dict(m.named_parameters()) for i, m in local.items()}
         sq = {(i, j): 0.0 for j in range(n) for i in params if i < j}
-        for piece in _pieces(shapes, list(shapes)):
+        for piece in pieces(shapes, list(shapes)):
             flats = {
                 i: torch.cat([ps[k].detach().reshape(-1)[lo:hi].double() for k, lo, hi in piece])
                 for i, ps in params.items()

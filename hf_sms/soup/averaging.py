@@ -52,3 +52,27 @@ def average_tensors(tensors: Sequence[torch.Tensor], weights: Iterable[float] | 
     for tensor, weight in zip(tensors, weights, strict=True):
         acc.add(tensor, weight)
     return acc.result()
+
+
+BUCKET = 1 << 20  # elements per all-reduce of a soup or distance: float64 copies of 8 MiB, few collectives
+
+
+def flat(state_dict: dict[str, torch.Tensor], keys) -> torch.Tensor:
+    tensors = [state_dict[k].reshape(-1) for k in keys]
+    return torch.cat(tensors) if tensors else torch.zeros(0)
+
+
+def pieces(template: dict[str, torch.Tensor], keys) -> list[tuple[tuple[str, int, int], ...]]:
+    """``keys``' elements in consecutive pieces of at most ``BUCKET``: ``((key, start, stop), ...)`` each, a larger
+    tensor split over several (a LLaMA's embedding is a third of the model: its float64 copy alone would be 0.8x)."""
+    out, current, size = [], [], 0
+    for k in keys:
+        n, lo = template[k].numel(), 0
+        while lo < n:
+            take = min(n - lo, BUCKET - size)
+            current.append((k, lo, lo + take))
+            size, lo = size + take, lo + take
+            if size == BUCKET:
+                out.append(tuple(current))
+                current, size = [], 0
+    return out + ([tuple(current)] if current else [])
