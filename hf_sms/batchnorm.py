@@ -31,7 +31,8 @@ def forward_batch(model: nn.Module, batch, device: torch.device | None = None, k
         items = [t.to(device) if device is not None and torch.is_tensor(t) else t for t in batch]
         if _takes_positional(model, len(items)):  # forward(x, y): the batch is its inputs
             return model(*items)
-        batch = batch[0]  # (inputs, labels), as torchvision's datasets give them
+        # (inputs, labels), as torchvision's datasets give them, or a one-item tuple of a dict
+        return forward_batch(model, batch[0], device, keep_labels)
     return model(batch.to(device) if device is not None else batch)
 
 

@@ -502,3 +502,26 @@ def test_from_pretrained_checks_a_dense_folder_whose_record_says_bitmask(tmp_pat
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="says bitmask but the weights are not"):
         AutoModelForCausalLM.from_pretrained(str(folder))
+
+
+def test_example_inputs_as_a_one_item_tuple_of_a_dict(tmp_path):
+    """Item 16: ``example_inputs=({"x": x},)`` ended in "'dict' object has no attribute 'to'"."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    masks = hf_sms.compute_masks(model, 0.5, structure="neurons", example_inputs=({"x": x},))
+    assert all(
+        torch.equal(masks[k], m)
+        for k, m in hf_sms.compute_masks(model, 0.5, structure="neurons", example_inputs=x).items()
+    )
+    hf_sms.apply_masks(model, masks)
+    smaller = hf_sms.shrink(model, ({"x": x},), structure="neurons")
+    assert smaller.a.out_features == 8 and torch.allclose(smaller(x), model(x), atol=1e-6)

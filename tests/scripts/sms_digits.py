@@ -5,6 +5,7 @@ Run it with ``torchrun --nproc_per_node N`` or plainly; the main process writes 
 
 import argparse
 import atexit
+import gc
 import json
 import os
 
@@ -17,6 +18,9 @@ from hf_sms.data import TensorDictDataset, load_digits_splits
 from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy, MeanOverSets, SubgroupRecall
 from hf_sms.pruning.masks import is_sharded
+
+gc.collect()
+gc.freeze()  # the imports leave the cyclic collector's scans: the loop collects after every replica
 
 parser = argparse.ArgumentParser()
 parser.add_argument("output_dir")
