@@ -24,10 +24,10 @@ import time
 import torch
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
+from hf_sms.cli.demo import DigitsResNet, pretrain
 from hf_sms.data import load_digits_splits
-from hf_sms.demo import DigitsResNet, pretrain
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.results import save_results
+from hf_sms.records.results import save_results
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--output-dir", default="runs/during")

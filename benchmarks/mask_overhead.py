@@ -39,7 +39,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 from transformers.utils import logging as hf_logging
 
 from hf_sms import SparseSoupTrainer, apply_masks, compute_masks
-from hf_sms.trainer import cross_entropy_loss
+from hf_sms.training.trainer import cross_entropy_loss
 
 
 class StepTimer(TrainerCallback):

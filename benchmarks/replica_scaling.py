@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from hf_sms.results import timeline
+from hf_sms.records.results import timeline
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "tests", "scripts", "sms_digits.py")
 

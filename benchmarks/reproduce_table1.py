@@ -24,11 +24,11 @@ from transformers import Trainer
 
 import hf_sms.loop.sms
 from hf_sms import SparseSoupConfig, SparseSoupTrainer
+from hf_sms.cli.demo import DigitsResNet, pretrain
 from hf_sms.data import load_digits_splits
-from hf_sms.demo import DigitsResNet, pretrain
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.loop.sms import SparseModelSoup
-from hf_sms.results import format_table, metric_table, save_results
+from hf_sms.records.results import format_table, metric_table, save_results
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--output-dir", default="runs/table1")

@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, Trainer, T
 from hf_sms import SparseSoupConfig
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.loop.sms import SparseModelSoup
-from hf_sms.results import format_table, save_results
+from hf_sms.records.results import format_table, save_results
 
 LENGTH, VOCAB, MARKERS, DENSITY = 32, 40, 8, 0.35
 

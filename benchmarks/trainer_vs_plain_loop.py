@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from transformers import set_seed
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, prune
+from hf_sms.cli.demo import DigitsResNet, pretrain
 from hf_sms.data import load_digits_splits
-from hf_sms.demo import DigitsResNet, pretrain
 from hf_sms.evaluation import predict_proba
 from hf_sms.pruning.enforcement import MaskEnforcer
-from hf_sms.schedules import RETRAIN_SCHEDULES, ScheduleContext, allr_start_lr
 from hf_sms.seeding import EpochShuffleSampler, derive_seed
+from hf_sms.training.schedules import RETRAIN_SCHEDULES, ScheduleContext, allr_start_lr
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--sparsity", type=float, default=0.9)

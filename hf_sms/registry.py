@@ -145,8 +145,8 @@ def import_submodules(package: str, path: Iterable[str]) -> None:
 # Declared here, filled where each piece lives (the home module, imported on the first lookup), so the config
 # validates against them without importing the pieces and nothing imports in a circle.
 ALLOCATIONS: Registry = Registry("allocation", hint="or 'n:m' (e.g. '2:4')", home="hf_sms.pruning.allocations")
-RETRAIN_SCHEDULES: Registry = Registry("retraining schedule", home="hf_sms.schedules")
-PRETRAIN_SHAPES: Registry = Registry("original LR schedule shape", home="hf_sms.schedules")
+RETRAIN_SCHEDULES: Registry = Registry("retraining schedule", home="hf_sms.training.schedules")
+PRETRAIN_SHAPES: Registry = Registry("original LR schedule shape", home="hf_sms.training.schedules")
 SOUPS: Registry = Registry("soup method", home="hf_sms.soup")
 PRUNING_METHODS: Registry = Registry("pruning method", hint="or 'imp' (the SMS loop)", home="hf_sms.methods")
 BASELINES: Registry = Registry("baseline", home="hf_sms.baselines")

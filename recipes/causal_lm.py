@@ -23,9 +23,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
+from hf_sms.cli.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, public_weights_note
+from hf_sms.cli.smoke import smoke_text
 from hf_sms.evaluation import NegativePerplexity
-from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, public_weights_note
-from hf_sms.smoke import smoke_text
 
 DATA_DEFAULTS = dict(
     dataset_name="Salesforce/wikitext",

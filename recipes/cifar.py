@@ -11,7 +11,7 @@
         --model_name_or_path runs/wrn20-cifar100-sms-dense --output_dir runs/wrn20-cifar100-sms-3gpu
     python recipes/cifar.py --smoke --output_dir smoke  # a tiny model on tiny data, CPU, seconds
 
-Without ``--model_name_or_path`` the dense model is pretrained first (``hf_sms.scripts.pretrain``, from the
+Without ``--model_name_or_path`` the dense model is pretrained first (``hf_sms.cli.scripts.pretrain``, from the
 ``pretrain_*`` fields ALLR reads) into ``--dense_dir``, which a rerun reuses. Soups are selected on
 ``validation_fraction`` of train; the test split, ``--ood`` and ``--group_column`` are only reported.
 """
@@ -26,9 +26,7 @@ import torchvision.transforms as T
 from torch import nn
 
 from hf_sms import SparseModelSoup, SparseSoupConfig, load_sparse
-from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.evaluation.subgroups import binary_attribute
-from hf_sms.scripts import (
+from hf_sms.cli.scripts import (
     DataArguments,
     OODArguments,
     finish,
@@ -38,7 +36,9 @@ from hf_sms.scripts import (
     pretrain,
     stack_collate,
 )
-from hf_sms.smoke import smoke_classification
+from hf_sms.cli.smoke import smoke_classification
+from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.evaluation.subgroups import binary_attribute
 
 DATA_DEFAULTS = dict(dataset_name="uoft-cs/cifar10", test_split="test")
 

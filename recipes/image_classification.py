@@ -12,7 +12,7 @@
 Items reach the model as ``{"x": image tensor, "labels": class}``, the argument name of timm's forward.
 Soups are selected on ``validation_fraction`` of the train split (fixed seed) under the evaluation transform;
 ``--test_split`` (ImageNet's validation set by default) is only reported. The data fields
-(``hf_sms.scripts.DataArguments``) are shared by all recipes; ``DATA_DEFAULTS`` fills those left unset.
+(``hf_sms.cli.scripts.DataArguments``) are shared by all recipes; ``DATA_DEFAULTS`` fills those left unset.
 """
 
 import json
@@ -22,8 +22,7 @@ import timm
 import torch
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
-from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.scripts import (
+from hf_sms.cli.scripts import (
     DataArguments,
     OODArguments,
     finish,
@@ -33,7 +32,8 @@ from hf_sms.scripts import (
     public_weights_note,
     stack_collate,
 )
-from hf_sms.smoke import smoke_imagefolder, smoke_imagenet_c
+from hf_sms.cli.smoke import smoke_imagefolder, smoke_imagenet_c
+from hf_sms.evaluation import ClassificationAccuracy
 
 DATA_DEFAULTS = dict(dataset_name="imagenet-1k", test_split="validation")
 

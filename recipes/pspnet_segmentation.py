@@ -8,7 +8,7 @@
 Needs the `seg` extra (``pip install hf-sms[seg]``). Mask pixels equal to ``--ignore_label`` are ignored.
 Soups are selected on ``validation_fraction`` of the train split (fixed seed), not flipped; ``--test_split``
 (the validation split by default, as Cityscapes' test labels are hidden) is only reported. The data fields
-(``hf_sms.scripts.DataArguments``) are shared by all recipes; ``DATA_DEFAULTS`` fills those left unset.
+(``hf_sms.cli.scripts.DataArguments``) are shared by all recipes; ``DATA_DEFAULTS`` fills those left unset.
 """
 
 from dataclasses import dataclass, field
@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_sms import SparseModelSoup, SparseSoupConfig
-from hf_sms.evaluation import MeanIoU
-from hf_sms.scripts import (
+from hf_sms.cli.scripts import (
     DataArguments,
     finish,
     load_splits,
@@ -28,7 +27,8 @@ from hf_sms.scripts import (
     public_weights_note,
     stack_collate,
 )
-from hf_sms.smoke import smoke_segmentation
+from hf_sms.cli.smoke import smoke_segmentation
+from hf_sms.evaluation import MeanIoU
 
 DATA_DEFAULTS = dict(test_split="validation")
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
@@ -71,7 +71,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
             classes=model_args.num_classes,
             output_stride=model_args.output_stride,
         )
-    print(f"[hf-sms] PSPNet: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M weights", flush=True)
+    weights = sum(p.numel() for p in model.parameters()) / 1e6
+    size_note = f"PSPNet of {weights:.1f}M weights (smp, {model_args.encoder_name}); the paper's has 68M"
     size = (model_args.crop_size, model_args.crop_size)
 
     def transform(training):
@@ -95,10 +96,10 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: SparseSoupC
     )
     args.remove_unused_columns = False  # the transform makes the columns forward() takes
     miou = MeanIoU(model_args.num_classes, batch_size=args.per_device_eval_batch_size, collate_fn=stack_collate)
-    card = {"datasets": data_args.hub_datasets}
+    card = {"datasets": data_args.hub_datasets, "notes": [size_note]}  # said at the start, in results.json and card
     if model_args.encoder_weights and not model_args.model_path:  # ImageNet weights never saw the segmentation data
         encoder = f"{model_args.encoder_name} encoder ({model_args.encoder_weights})"
-        card["notes"] = [public_weights_note(encoder, saw_validation=False)]
+        card["notes"].append(public_weights_note(encoder, saw_validation=False))
     runner = SparseModelSoup(
         model, args, train, miou, eval_dataset=val, test_dataset=test, data_collator=stack_collate, model_card=card
     )

@@ -12,7 +12,7 @@ python recipes/t5_wmt16.py --smoke --output_dir smoke
 WMT16 EN-DE as in the paper. Soups are selected on `validation_fraction` (10%) of the training data, split off
 with a fixed seed, as the paper does (`--validation_split validation` selects on newstest2015 instead, or
 `--validation_file` locally); BLEU is reported on the test split (newstest2016).
-The data fields (`hf_sms.scripts.DataArguments`) are shared by all recipes; `DATA_DEFAULTS` fills those left unset.
+The data fields (`hf_sms.cli.scripts.DataArguments`) are shared by all recipes; `DATA_DEFAULTS` fills those left unset.
 """
 
 import os
@@ -22,9 +22,9 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 
 from hf_sms import SparseModelSoup, SparseSoupConfig, SparseSoupSeq2SeqTrainer
+from hf_sms.cli.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, public_weights_note
+from hf_sms.cli.smoke import smoke_translation
 from hf_sms.evaluation import BleuMetric
-from hf_sms.scripts import DataArguments, finish, load_splits, parse_args, prepared_splits, public_weights_note
-from hf_sms.smoke import smoke_translation
 
 # The paper's WMT16 EN-DE; soups are selected on 10% of the training data (validation_fraction), as the paper does.
 DATA_DEFAULTS = dict(dataset_name="wmt16", dataset_config="de-en", test_split="test")

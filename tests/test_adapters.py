@@ -29,20 +29,13 @@ from hf_sms import (
     sparsity_report,
 )
 from hf_sms.adapters import lora, merge_adapters
+from hf_sms.adapters.folders import load_adapter, save_adapter
 from hf_sms.adapters.lora import _GatedLowRank
 from hf_sms.adapters.merge import plain_name
-from hf_sms.adapters.replica import (
-    load_adapter,
-    make_replica,
-    merged_copy,
-    replica_distances,
-    save_adapter,
-    soup_of_states,
-    trained_state,
-)
+from hf_sms.adapters.replica import make_replica, merged_copy, replica_distances, soup_of_states, trained_state
 from hf_sms.adapters.soup import adapter_soup, build_subset_soup
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.pruning.masks import masks_from_model
 
@@ -241,6 +234,13 @@ def test_replica_params_in_the_trainer_train_a_subset_and_save_an_adapter_that_l
     trainer.save_model()
     soup = load_sparse(str(tmp_path / "out"))
     assert revived(soup, masks) == 0
+    # the merged model says so (card, sparsity.json) and refuses its own adapter (the update would count twice)
+    notes = json.loads((tmp_path / "out" / "sparsity.json").read_text())["recipe"]["notes"]
+    assert any("merged into these weights" in n for n in notes)
+    assert "merged into these weights" in (tmp_path / "out" / "README.md").read_text()
+    with pytest.raises(ValueError, match="already holds the adapter"):
+        load_adapter(soup, str(tmp_path / "out" / "adapter"))
+    assert not any(".lora_" in n for n, _ in soup.named_parameters())  # refused before anything was injected
     reloaded = load_adapter(model, str(tmp_path / "out" / "adapter"))
     ids = torch.randint(1, 64, (2, 8))
     with torch.no_grad():

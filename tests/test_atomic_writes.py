@@ -19,7 +19,7 @@ from hf_sms import save_sparse
 from hf_sms.atomic import atomic_path, atomic_write
 from hf_sms.checkpoint.trainer_card import TRAINER_MARK, merge_trainer_card
 from hf_sms.checkpoint.trainer_masks import save_masks
-from hf_sms.results import plot_results, save_results, timeline_command
+from hf_sms.records.results import plot_results, save_results, timeline_command
 
 # every temp name a writer of hf-sms used before the helper, and the names the helper itself tries first (below)
 PLANTED = ("timeline.png.tmp.png", "results.json.tmp", "results.png.tmp.png", "sparse_masks.safetensors.tmp",

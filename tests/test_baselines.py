@@ -11,8 +11,8 @@ from conftest import sms_config
 from transformers import TrainerCallback
 
 from hf_sms import load_sparse, run_sms
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.pruning.masks import masks_from_model
 

@@ -134,7 +134,7 @@ def test_the_shrink_record_reads_what_it_wrote_and_nothing_else():
     import subprocess
     import sys
 
-    from hf_sms.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
+    from hf_sms.checkpoint.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 
     record = ShrinkRecord(SMALLER, structure="filters", cut=IN_PLACE, units={"filters": {"sparsity": 0.5}},
                           parameters=10, dense_parameters=20, parameter_ratio=0.5)  # fmt: skip
@@ -143,7 +143,7 @@ def test_the_shrink_record_reads_what_it_wrote_and_nothing_else():
     hostile = {"saved": "smaller", "cut": 3, "units": "x", "parameters": True, "why": ["a"], "extra": 1}
     assert ShrinkRecord.of({"recipe": {"shrunk": hostile}}) == ShrinkRecord(SMALLER)
     assert ShrinkRecord.of({"recipe": "x"}) is None and ShrinkRecord.of(None) is None
-    blocked = "import sys; sys.modules['torch'] = None; import hf_sms.shrink_record"
+    blocked = "import sys; sys.modules['torch'] = None; import hf_sms.checkpoint.shrink_record"
     assert subprocess.run([sys.executable, "-c", blocked], capture_output=True).returncode == 0
 
 

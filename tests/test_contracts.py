@@ -13,8 +13,8 @@ from conftest import make_cnn, make_pspnet, make_resnet, make_t5, sms_config
 import hf_sms
 from hf_sms import apply_masks, compute_masks, load_sparse, run_sms, save_sparse, uniform_soup
 from hf_sms.checkpoint import merge_checkpoints
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.families import FAMILIES, family_of
 from hf_sms.methods.common import MethodContext

@@ -3,7 +3,7 @@
 import json
 
 from hf_sms.cli import main
-from hf_sms.results import format_table
+from hf_sms.records.results import format_table
 
 
 def test_demo_quick_writes_every_row(tmp_path, capsys):

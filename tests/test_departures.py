@@ -9,10 +9,10 @@ import torch
 from conftest import sms_config
 
 from hf_sms import SparseSoupSeq2SeqConfig, run_sms
-from hf_sms.arguments import departures
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
+from hf_sms.training.arguments import departures
 
 
 def test_departures_name_what_differs_from_the_paper(tmp_path):

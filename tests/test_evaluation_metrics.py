@@ -71,8 +71,8 @@ def test_an_evaluate_module_is_a_metric_and_metrics_read_with_the_runs_loader_se
     from conftest import TOP1_METRIC_SCRIPT, sms_config
 
     from hf_sms import run_sms
+    from hf_sms.cli.demo import DigitsResNet
     from hf_sms.data import load_digits_splits
-    from hf_sms.demo import DigitsResNet
 
     (tmp_path / "top1.py").write_text(TOP1_METRIC_SCRIPT)
     module = evaluate.load(str(tmp_path / "top1.py"))  # a local script: no download

@@ -8,10 +8,10 @@ import torch
 from conftest import sms_config
 
 from hf_sms import run_sms
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy, MeanOverSets, SubgroupRecall, named_tests
-from hf_sms.results import format_table, reported_tests
+from hf_sms.records.results import format_table, reported_tests
 
 
 def corrupted(test, kind: str, severity: int, seed: int = 0) -> TensorDictDataset:

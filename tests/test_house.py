@@ -147,7 +147,7 @@ def test_a_plain_import_reaches_every_submodule_as_an_attribute():
         "import sys, hf_sms\n"
         "assert 'hf_sms.pruning' not in sys.modules\n"
         "assert hf_sms.pruning.ExactMasking and hf_sms.checkpoint.codec.encode_tensor and hf_sms.soup.soup\n"
-        "assert hf_sms.merging.greedy_soup\n"
+        "assert hf_sms.soup.merging.greedy_soup\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
 

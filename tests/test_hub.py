@@ -14,7 +14,7 @@ import yaml
 from conftest import fake_hub, make_resnet, make_t5
 
 from hf_sms import apply_masks, compute_masks, push_to_hub, save_sparse
-from hf_sms.hub import SPEEDUP, card_metrics, model_card
+from hf_sms.records.hub import SPEEDUP, card_metrics, model_card
 
 RECIPE = {
     "phases": [
@@ -86,7 +86,7 @@ def t5_dir(tmp_path):
 
 def _speedup_lines(card: str) -> list[str]:
     """Lines stating the theoretical speedup (the measured one has its own line)."""
-    from hf_sms.hub import MEASURED
+    from hf_sms.records.hub import MEASURED
 
     return [line for line in card.splitlines() if "speedup" in line.lower() and not line.startswith(f"- {MEASURED}")]
 
@@ -231,7 +231,7 @@ def test_push_model_saves_to_a_temporary_folder(caplog, capsys):
 
 
 def test_measured_speedup_goes_next_to_the_flop_count(t5_dir, tmp_path):
-    from hf_sms.hub import MEASURED
+    from hf_sms.records.hub import MEASURED
 
     record = {"speedup": 2.5, "dense_ms": 10.0, "runtime_ms": 4.0, "device": "cpu", "threads": 1,
               "input": "input_ids 1x32", "sparse_layers": "17/17", "layout": "auto"}  # fmt: skip

@@ -8,8 +8,8 @@ import torch
 from conftest import copy_task_rows, make_t5, neg_loss, sms_config, untimed
 
 from hf_sms import SparseModelSoup, phase_sparsities, run_sms, sparsity_report
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.pruning.masks import masks_from_model
 
@@ -180,7 +180,7 @@ def test_pairwise_soups_score_every_pair_as_its_own_uniform_soup(tmp_path, digit
     equals the soup made in memory from the two saved replicas (BatchNorm averaged, recalibration off: the soup's own
     path), and results.png gets the scatter."""
     from hf_sms import load_sparse, uniform_soup
-    from hf_sms.results import pair_points, plot_results
+    from hf_sms.records.results import pair_points, plot_results
 
     train, val, test = digits
     accuracy = ClassificationAccuracy()
@@ -192,6 +192,12 @@ def test_pairwise_soups_score_every_pair_as_its_own_uniform_soup(tmp_path, digit
     for pair in diag["pair_soups"]:
         made = uniform_soup([replicas[i] for i in pair["pair"]])
         assert pair["val"] == accuracy(made, val) and pair["test"] == accuracy(made, test)
-    assert len(pair_points([results])[1]) == 3
+        assert pair["tests"] == {name: pair["test"] for name in diag["candidates_tests"]}  # every test set, by name
+    # the paper's axes: the pair's soup against the better of its two ingredients, on any named test set
+    better = {tuple(p["pair"]): max(diag["candidates_test"][i] for i in p["pair"]) for p in diag["pair_soups"]}
+    want = sorted((better[tuple(p["pair"])], p["test"]) for p in diag["pair_soups"])
+    assert sorted(pair_points([results])[1]) == want
+    (name,) = diag["candidates_tests"]
+    assert pair_points([results], test_set=name) == pair_points([results])
     plot_results([results], str(tmp_path / "results.png"))
     assert (tmp_path / "results.png").stat().st_size > 0

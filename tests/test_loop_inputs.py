@@ -9,8 +9,8 @@ import torch
 from conftest import fake_hub, sms_config
 
 from hf_sms import SparseModelSoup, SparseSoupConfig, SparseSoupTrainer, run_sms
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.registry import SOUPS
 from hf_sms.soup import SoupMethod, indicator_weights

@@ -11,8 +11,8 @@ from conftest import sms_config
 from torch import nn
 
 from hf_sms import SparseModelSoup, SparseSoupTrainer
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.seeding import EpochShuffleSampler, derive_seed
 

@@ -7,8 +7,8 @@ import torch
 from conftest import sms_config
 
 from hf_sms import SparseModelSoup, run_sms, sparsity_report
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.methods.gmp import gmp_phases, gmp_sparsity
 from hf_sms.pruning.masks import masks_from_model

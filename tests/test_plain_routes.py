@@ -16,8 +16,8 @@ import hf_sms
 from hf_sms.checkpoint.family_files import plain_route_lines
 from hf_sms.checkpoint.inspect import inspect_checkpoint
 from hf_sms.checkpoint.integrity import CorruptionError
+from hf_sms.checkpoint.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 from hf_sms.pruning.masks import apply_masks
-from hf_sms.shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 
 
 def _pspnet(seed=0):

@@ -99,8 +99,8 @@ def test_the_sms_loop_keeps_two_four_through_retraining_and_soups(tmp_path):
     from conftest import sms_config
 
     from hf_sms import run_sms
+    from hf_sms.cli.demo import DigitsResNet
     from hf_sms.data import load_digits_splits
-    from hf_sms.demo import DigitsResNet
     from hf_sms.evaluation import ClassificationAccuracy
 
     train, val, test = load_digits_splits(seed=0)

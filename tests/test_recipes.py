@@ -14,8 +14,8 @@ from conftest import make_cnn, make_image_dataset
 from PIL import Image
 
 from hf_sms import SparseSoupConfig, load_sparse
-from hf_sms.scripts import DataArguments, OODArguments, parse_args, prepared_splits, pretrain
-from hf_sms.smoke import smoke_classification
+from hf_sms.cli.scripts import DataArguments, OODArguments, parse_args, prepared_splits, pretrain
+from hf_sms.cli.smoke import smoke_classification
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -311,7 +311,7 @@ def test_smoke_flag_layers_over_yaml_under_flags(tmp_path):
 def test_pretrain_follows_the_pretrain_shape_and_is_reused(tmp_path):
     from transformers import TrainerCallback
 
-    from hf_sms.schedules import PRETRAIN_SHAPES
+    from hf_sms.training.schedules import PRETRAIN_SHAPES
 
     class Rates(TrainerCallback):
         def __init__(self):

@@ -255,8 +255,8 @@ def test_an_sms_run_reports_the_measured_speedup_of_every_soup(tmp_path, capsys)
 
     from hf_sms import run_sms
     from hf_sms.cli import main
+    from hf_sms.cli.demo import DigitsResNet
     from hf_sms.data import load_digits_splits
-    from hf_sms.demo import DigitsResNet
     from hf_sms.evaluation import ClassificationAccuracy
 
     train, val, test = load_digits_splits(seed=0)
@@ -295,8 +295,8 @@ def test_a_timing_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypat
     import hf_sms.runtime.speed
     from hf_sms import run_sms
     from hf_sms.cli import main
+    from hf_sms.cli.demo import DigitsResNet
     from hf_sms.data import load_digits_splits
-    from hf_sms.demo import DigitsResNet
     from hf_sms.evaluation import ClassificationAccuracy
 
     def broken(*args, **kwargs):
@@ -309,7 +309,7 @@ def test_a_timing_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypat
     records = [r["measured_speedup"] for r in results["rows"]["sms_uniform"]]
     assert records == [{"speedup": None, "error": "RuntimeError('no kernel today')"}] * 2
     assert results["measured_speedup"] == records[-1]  # reused, not timed again
-    from hf_sms.hub import model_card
+    from hf_sms.records.hub import model_card
 
     assert "not measured (RuntimeError('no kernel today'))" in model_card(str(tmp_path / "run" / "final_soup"))
     assert json.loads((tmp_path / "run" / "results.json").read_text())["measured_speedup"] == records[-1]

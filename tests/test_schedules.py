@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 
 from hf_sms import SparseSoupConfig, SparseSoupTrainer
 from hf_sms.plan import prune
-from hf_sms.schedules import RETRAIN_SCHEDULES, ScheduleContext, allr_start_lr, make_lr_scheduler
+from hf_sms.training.schedules import RETRAIN_SCHEDULES, ScheduleContext, allr_start_lr, make_lr_scheduler
 
 FAST = settings(max_examples=25, deadline=None)
 steps_st = st.integers(1, 400)

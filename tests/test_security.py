@@ -17,10 +17,10 @@ from conftest import fake_hub, make_cnn, make_image_dataset, make_t5, sms_config
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, apply_masks, compute_masks, load_sparse, run_sms, save_sparse
 from hf_sms.checkpoint import merge_checkpoints
 from hf_sms.checkpoint.inspect import inspect_checkpoint
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
-from hf_sms.hub import push_to_hub
+from hf_sms.records.hub import push_to_hub
 from hf_sms.registry import Registry
 
 TOKEN = "hf_SECRETsecretSECRET0123456789"

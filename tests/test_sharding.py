@@ -67,7 +67,7 @@ def test_replicas_are_sharded_block_by_block_outermost_first():
     from conftest import make_resnet
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_sms.sharding import _blocks
+    from hf_sms.training.sharding import _blocks
 
     def units(model):
         names = frozenset(getattr(model, "_no_split_modules", None) or ())

@@ -115,6 +115,10 @@ def test_smoke_run(smoke_runs, recipe, flags, tests):
     soup = json.loads((out / "final_soup" / "sparsity.json").read_text())
     assert soup["sparsity"] == pytest.approx(0.5, abs=1e-3) and soup["recipe"]["phases"][-1] == 0.5
     assert not (out.parent / "run-dense").exists()  # smoke pretraining stays in the temporary folder
+    if recipe == "pspnet_segmentation":  # its size beside the paper's, where the run's records say what it trained
+        assert any("M weights" in n and "68M" in n for n in results["notes"]), results["notes"]
+        card = (out / "final_soup" / "README.md").read_text()
+        assert "the paper's has 68M" in card
 
 
 def test_every_shipped_config_has_a_smoke_run():

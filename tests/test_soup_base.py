@@ -219,8 +219,8 @@ def test_the_loop_souping_from_its_pruned_start(tmp_path):
     """Every base-aware soup is a trajectory of the loop; its base is the phase's pruned start: model_stock's soup
     lies on the line from that start to the uniform soup, per tensor, and every soup keeps the mask."""
     from hf_sms import SparseModelSoup
+    from hf_sms.cli.demo import DigitsResNet
     from hf_sms.data import TensorDictDataset, load_digits_splits
-    from hf_sms.demo import DigitsResNet
     from hf_sms.evaluation import ClassificationAccuracy
 
     train, val, test = load_digits_splits(seed=0)

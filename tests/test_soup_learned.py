@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_sms import SparseModelSoup, load_sparse
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.pruning.masks import masks_from_model
 from hf_sms.soup.learned import FitData, fit_mixing

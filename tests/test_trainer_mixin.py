@@ -16,7 +16,7 @@ from transformers import ByT5Tokenizer, Seq2SeqTrainingArguments, TrainingArgume
 
 import hf_sms
 from hf_sms import SparseSoupSeq2SeqConfig, SparseSoupSeq2SeqTrainer, sparse_config
-from hf_sms.arguments import as_sparse_arguments
+from hf_sms.training.arguments import as_sparse_arguments
 
 SCRIPT = Path(__file__).parent / "scripts" / "run_translation_sms.py"
 REPO = str(Path(__file__).parent.parent)

@@ -12,8 +12,8 @@ from conftest import forget_manifest, sms_config
 from torch import nn
 
 from hf_sms import SparseModelSoup, run_sms, save_sparse
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import load_digits_splits, split_validation
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.evaluation.subgroups import subgroup_recall
 
@@ -39,7 +39,7 @@ def test_the_recipes_split_validation_with_a_fixed_seed(tmp_path):
     import datasets
 
     from hf_sms import SparseSoupConfig
-    from hf_sms.scripts import DataArguments, prepared_splits
+    from hf_sms.cli.scripts import DataArguments, prepared_splits
 
     raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": list(range(100)), "labels": [0] * 100})})
     vals = []
@@ -121,8 +121,8 @@ def test_a_second_pretraining_into_the_same_folder_stops_at_once(tmp_path, digit
     from conftest import make_cnn
 
     from hf_sms import SparseSoupConfig
+    from hf_sms.cli.scripts import pretrain
     from hf_sms.loop.run_directory import lock_folder
-    from hf_sms.scripts import pretrain
 
     train, _, _ = digits
     args = SparseSoupConfig(output_dir=str(tmp_path / "run"), pretrain_epochs=1, report_to="none", use_cpu=True)
@@ -216,7 +216,7 @@ def test_a_missing_group_column_is_explained_before_work(tmp_path):
     import datasets
 
     from hf_sms import SparseSoupConfig
-    from hf_sms.scripts import DataArguments, prepared_splits
+    from hf_sms.cli.scripts import DataArguments, prepared_splits
 
     raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": [1, 2, 3, 4], "labels": [0, 1, 0, 1]})})
     args = SparseSoupConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
@@ -341,7 +341,7 @@ def _spy_trainer(monkeypatch, module) -> dict:
 def test_pretraining_splits_the_global_batch_over_the_processes(tmp_path, digits, monkeypatch):
     from conftest import make_cnn
 
-    import hf_sms.scripts as scripts
+    import hf_sms.cli.scripts as scripts
     from hf_sms import SparseSoupConfig
 
     train, _, _ = digits
@@ -746,7 +746,7 @@ def test_a_run_from_public_weights_says_so_in_its_output_and_card(tmp_path, digi
     import json
     import logging
 
-    from hf_sms.scripts import public_weights_note
+    from hf_sms.cli.scripts import public_weights_note
 
     train, val, _ = digits
     note = public_weights_note("timm/resnet50.a1_in1k")

@@ -90,7 +90,7 @@ def test_table_reads_a_run_folder_as_timeline_does(tmp_path, capsys):
     import argparse
     import json
 
-    from hf_sms.results import table, timeline_command
+    from hf_sms.records.results import table, timeline_command
 
     (tmp_path / "results.json").write_text(json.dumps(RUN))
     assert table(argparse.Namespace(results=[str(tmp_path)], split=None)) == 0
@@ -158,7 +158,7 @@ import torch
 from torch import nn
 from hf_sms import SparseSoupConfig, run_sms
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy
 train, val, _ = load_digits_splits(seed=0)
 torch.manual_seed(0)

@@ -296,7 +296,8 @@ def test_adapters_that_cannot_be_merged_under_a_mask_are_refused_before_training
 
 @pytest.fixture(scope="module")
 def adapter_folder(tmp_path_factory):
-    from hf_sms.adapters.replica import make_replica, save_adapter
+    from hf_sms.adapters.folders import save_adapter
+    from hf_sms.adapters.replica import make_replica
 
     model = _tiny_lm()
     hf_sms.prune(model, 0.5)
@@ -367,7 +368,7 @@ def test_load_adapter_refuses_a_hand_edited_folder_naming_what_is_wrong(adapter_
 
 
 def test_load_adapter_keeps_a_regex_target_and_save_adapter_needs_an_adapter(adapter_folder, tmp_path):
-    from hf_sms.adapters.replica import save_adapter
+    from hf_sms.adapters.folders import save_adapter
 
     model, folder = adapter_folder
     edited = tmp_path / "adapter"
@@ -394,8 +395,8 @@ def test_compute_masks_refuses_a_unit_multiple_that_keeps_every_unit():
 def test_merges_refuse_a_base_with_another_mask_or_shape(tmp_path):
     """Item 6: ties / dare / model_stock counted the pruned entries' updates of a dense base and wrote another soup."""
     from hf_sms.cli import main
-    from hf_sms.sharding import sharded_soup
     from hf_sms.soup.soup import soup
+    from hf_sms.training.sharding import sharded_soup
 
     dense = make_cnn()
     start = make_cnn()
@@ -525,3 +526,64 @@ def test_example_inputs_as_a_one_item_tuple_of_a_dict(tmp_path):
     hf_sms.apply_masks(model, masks)
     smaller = hf_sms.shrink(model, ({"x": x},), structure="neurons")
     assert smaller.a.out_features == 8 and torch.allclose(smaller(x), model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("env", "warned"),
+    [
+        ({"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, True),  # --num_processes 2
+        ({"ACCELERATE_USE_CPU": "True"}, False),  # --num_processes 1
+        ({"MASTER_ADDR": "127.0.0.1"}, False),  # not accelerate's
+    ],
+)
+def test_accelerate_launch_cpu_with_several_processes_says_it_runs_one(monkeypatch, caplog, env, warned):
+    """Item 11: ``accelerate launch --cpu --num_processes 2`` ran one process and said so only as ``rank 0/1``
+    (accelerate sets these variables in its one process: checked by hand with a script printing them)."""
+    from hf_sms.loop.distributed import ReplicaWorld
+
+    for key in ("ACCELERATE_USE_CPU", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level("WARNING", logger="hf_sms"):
+        assert ReplicaWorld(3, cpu=True).size == 1
+    assert ("torchrun --nproc_per_node N" in caplog.text) == warned
+
+
+def test_inspect_on_a_folder_it_may_not_read_says_so(tmp_path, monkeypatch, capsys):
+    """Item 16: ``inspect`` on a folder of mode 000 said "not a model checkpoint" (as a user without access; the test
+    may run as root, whom mode 000 does not stop: the access check is made to fail instead)."""
+    from hf_sms.checkpoint import folder as folder_module
+    from hf_sms.cli import main
+
+    hf_sms.save_sparse(torch.nn.Sequential(torch.nn.Linear(8, 8)), str(tmp_path / "f"))
+    os.chmod(tmp_path / "f", 0)
+    real_access, real_lexists = os.access, os.path.lexists
+    monkeypatch.setattr(folder_module.os, "access", lambda p, m: p != str(tmp_path / "f") and real_access(p, m))
+    monkeypatch.setattr(folder_module.os.path, "lexists", lambda p: str(tmp_path / "f") not in p and real_lexists(p))
+    try:
+        assert main(["inspect", str(tmp_path / "f")]) == 2
+    finally:
+        os.chmod(tmp_path / "f", 0o755)
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "permissions" in err and "not a checkpoint" not in err
+
+
+def test_shrink_names_the_weights_a_branch_the_batch_did_not_take_would_read():
+    """Item 16: a data-dependent branch the trace did not take made the smaller model fail on another batch with
+    "mat1 and mat2 shapes cannot be multiplied", and nothing had said why: shrink names the weights it never saw."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.b(h) if float(x.sum()) > 0 else self.c(h)
+
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(4, 8).abs()
+    hf_sms.apply_masks(model, hf_sms.compute_masks(model, 0.5, structure="neurons", example_inputs=x))
+    with pytest.warns(UserWarning, match=r"read none of c\.bias, c\.weight .*example_inputs that take every branch"):
+        hf_sms.shrink(model, x, structure="neurons")

@@ -11,20 +11,15 @@ it has the start's zeros exactly.
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from peft import get_peft_model_state_dict, inject_adapter_in_model
+from peft import inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint.folder import atomic_folder, checkpoint_file
 from ..pruning.prunable import prunable_tensors
 from ..registry import REPLICA_PARAMS, SOUPS
 from ..seeding import derive_seed
@@ -270,10 +265,6 @@ def replica_distances(start: nn.Module, states: Sequence[State], args, template=
     return [v**0.5 for v in sq.values()]
 
 
-ADAPTER_FOLDER = "adapter"  # beside a merged soup: the adapter in peft's format
-KIND_KEY = "hf_sms_replica_params"
-
-
 def adapted(model: nn.Module) -> bool:
     """``model`` holds LoRA layers (peft's, injected or in a ``PeftModel``); no peft import needed to ask."""
     return any(hasattr(m, "lora_A") for m in model.modules())
@@ -292,107 +283,3 @@ def merged_copy(model: nn.Module) -> nn.Module:
     for p in merged.parameters():
         p.requires_grad_(True)
     return merged
-
-
-def save_adapter(model: nn.Module, folder: str) -> None:
-    """The adapter of ``model`` in peft's format (``adapter_config.json``, ``adapter_model.safetensors``), written
-    atomically; a MaskLoRA / ScaleLoRA adapter records its kind (load it with :func:`load_adapter`)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if "default" not in (getattr(model, "peft_config", None) or {}):
-        raise ValueError(
-            f"{type(model).__name__} holds no peft adapter named 'default' to save: save_adapter saves the adapter of "
-            "a PeftModel or of a model peft injected adapters into (hf_sms.load_adapter, get_peft_model)"
-        )
-    config = model.peft_config["default"]
-    kinds = {getattr(type(m), "variant", None) for m in inner.modules() if hasattr(m, "lora_A")}
-    kind = next((k.kind + "_lora" for k in kinds if k is not None), "lora")
-    state = get_peft_model_state_dict(model, save_embedding_layers=False)
-    with atomic_folder(folder, "replace") as tmp:
-        config.save_pretrained(tmp)
-        tensors = {k: v.contiguous() for k, v in state.items()}
-        save_file(tensors, f"{tmp}/adapter_model.safetensors", metadata={"format": "pt", KIND_KEY: kind})
-
-
-def load_adapter(model: nn.Module, folder: str, args=None) -> nn.Module:
-    """``model`` (the plain pruned model) with the adapter saved in ``folder`` injected: a MaskLoRA / ScaleLoRA
-    adapter as hf-sms trains it (peft alone would rebuild a plain LoRA layer); the weights are shared, not copied."""
-    path = checkpoint_file(folder, "adapter_model.safetensors")
-    config_path = checkpoint_file(folder, "adapter_config.json")
-    if path is None or config_path is None:
-        raise ValueError(f"{folder} holds no adapter_model.safetensors and adapter_config.json (a peft adapter)")
-    for file in (path, config_path):
-        if not os.access(file, os.R_OK):
-            raise ValueError(f"{file} cannot be read (permission denied): give your user read access to it")
-    with safe_open(path, "pt") as f:
-        kind, state = (f.metadata() or {}).get(KIND_KEY, "lora"), {k: f.get_tensor(k) for k in f.keys()}
-    if kind not in ("mask_lora", "scale_lora", "lora"):
-        raise ValueError(f"{path} records adapter kind {kind!r}, not one hf-sms writes (mask_lora, scale_lora)")
-    if kind == "lora":
-        raise ValueError(f"{os.path.basename(folder)} is a plain LoRA adapter: load it with peft, then merge_adapters")
-    args = args or _adapter_args(config_path, kind)
-    replica = make_replica(model, args)
-    state = {_with_adapter_name(k): v for k, v in state.items()}
-    expected = trained_state(replica)
-    for name, t in state.items():  # a rank or shape the config does not give: named, before any copy
-        if name in expected and tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(
-                f"{path}: {name} has shape {tuple(t.shape)}, but r={args.lora_rank} on this model gives "
-                f"{tuple(expected[name].shape)}: the adapter and its config (or the model) disagree"
-            )
-    load_trained_state(replica, state)
-    _check_update(replica, path)
-    return replica
-
-
-def _adapter_args(config_path: str, kind: str) -> _AdapterArgs:
-    """The adapter's settings from its ``adapter_config.json``, each checked (a hand-edited or crafted file is
-    refused naming the field, never misread)."""
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            saved = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path} is not JSON ({e}): re-save the adapter") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"{config_path} holds a {type(saved).__name__}, not peft's adapter config: re-save it")
-    for key in ("r", "lora_alpha"):
-        if key not in saved:
-            raise ValueError(f"{config_path} lacks {key!r}: re-save the adapter")
-    rank, alpha = saved["r"], saved["lora_alpha"]
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{config_path}: r must be a positive integer, got {rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
-        raise ValueError(f"{config_path}: lora_alpha must be a finite number > 0, got {alpha!r}")
-    targets = saved.get("target_modules")
-    if targets is not None and not isinstance(targets, str):  # a string is peft's regular expression, kept whole
-        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-            raise ValueError(f"{config_path}: target_modules must be a list of names or one regex, got {targets!r}")
-        targets = sorted(targets)
-    return _AdapterArgs(kind, rank, float(alpha), targets or None)
-
-
-def _check_update(replica: nn.Module, path: str) -> None:
-    """Refuse an adapter whose update cannot be finite (``s * r * max|A| * max|B|`` bounds every entry)."""
-    for prefix, layer in lora_layers(replica):
-        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-        bound = layer.scaling["default"] * a.shape[0] * float(a.abs().max()) * float(b.abs().max())
-        if not math.isfinite(bound) or bound > 1e30:
-            raise ValueError(
-                f"{path}: {prefix}'s update can reach {bound:g} (lora_alpha / r x its factors): it would overflow "
-                "the model's outputs; the adapter is corrupted or its lora_alpha wrong"
-            )
-
-
-def _with_adapter_name(key: str) -> str:
-    """peft saves ``x.lora_A.weight``; the live module holds ``x.lora_A.default.weight``."""
-    for factor in (".lora_A.", ".lora_B."):
-        key = key.replace(f"{factor}weight", f"{factor}default.weight")
-    return key
-
-
-@dataclass
-class _AdapterArgs:
-    replica_params: str
-    lora_rank: int
-    lora_alpha: float
-    lora_target_modules: list[str] | None
-    lora_dropout: float = 0.0

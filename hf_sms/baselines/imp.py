@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from ..phase import PhaseSpec, TrackJob, phase_folder
 from ..registry import BASELINES
 from ..seeding import derive_seed
-from ..soup_options import REPRUNE_SOUPS
+from ..soup.options import REPRUNE_SOUPS
+from ..training.phase import PhaseSpec, TrackJob, phase_folder
 
 
 def run_imp(ctx, name: str, n_tracks: int, times_m: bool = False, split: bool = False, callbacks=lambda: []):

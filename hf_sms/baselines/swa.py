@@ -11,9 +11,9 @@ import dataclasses
 import torch
 from transformers import TrainerCallback
 
-from ..phase import PhaseSpec, phase_folder
 from ..registry import BASELINES
 from ..seeding import derive_seed
+from ..training.phase import PhaseSpec, phase_folder
 from .imp import run_imp
 
 

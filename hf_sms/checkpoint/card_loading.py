@@ -4,8 +4,8 @@ family's own loader, hf-sms's, or a smaller model's plain route: :mod:`hf_sms.ch
 from __future__ import annotations
 
 from ..families import FAMILIES, Family
-from ..shrink_record import ShrinkRecord
 from .family_files import load_snippet
+from .shrink_record import ShrinkRecord
 
 
 def family_of_info(info: dict) -> Family:

@@ -20,8 +20,13 @@ FORMAT_VERSION = 2
 MANIFEST_SINCE = 2
 # Also the text of transformers' warning when hf_sms is not imported ("Unknown quantization type, got ..."), so it
 # says how to load the folder; folders written before carry the short name, still registered.
-QUANT_METHOD = "hf-sms-sparse, loaded after `import hf_sms` (pip install hf-sms)"
-QUANT_METHODS = (QUANT_METHOD, "hf-sms-sparse")
+# transformers without hf_sms prints this in its "Unknown quantization type" warning, then fails on the encoded
+# tensors' sizes: the name says what to do, and that its advice (ignore_mismatched_sizes) gives random weights
+QUANT_METHOD = (
+    "hf-sms-sparse, loaded after `import hf_sms` (pip install hf-sms); "
+    "never with ignore_mismatched_sizes=True (random weights)"
+)
+QUANT_METHODS = (QUANT_METHOD, "hf-sms-sparse, loaded after `import hf_sms` (pip install hf-sms)", "hf-sms-sparse")
 
 TIMM_WIDTHS = "pruned.txt"  # a smaller timm model's widths, in timm's adapt_model_from_string form
 PROGRAM = "model.pt2"  # a smaller model's torch.export program (hf_sms.checkpoint.plain)

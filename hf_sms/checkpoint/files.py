@@ -9,12 +9,12 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..families import Family, family_of_config, get_family
-from ..shrink_record import ShrinkRecord
 from .constants import CONFIG_NAME, INDEX_SUFFIX, SPARSITY_NAME
 from .folder import PREVIOUS_SUFFIX, checkpoint_file, read_json, read_sparsity, restore_previous, weight_files
 from .integrity import CorruptionError, check_manifest, require_manifest
 from .masks import MaskStats
 from .safetensors_raw import RawSafetensorsFile
+from .shrink_record import ShrinkRecord
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ and never touches an existing one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -92,6 +93,8 @@ def checkpoint_file(directory: str, name: str) -> str | None:
         raise ValueError(f"{directory} names the file {name!r}, which is outside the folder; re-save the checkpoint")
     path = os.path.join(directory, name)
     if not os.path.lexists(path):
+        if os.path.isdir(directory) and not os.access(directory, os.R_OK | os.X_OK):  # else read as "no such file"
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), directory)
         return None
     real, roots = os.path.realpath(path), [os.path.realpath(directory), _hub_cache_blobs(directory)]
     if not any(r and os.path.commonpath([real, r]) == r for r in roots) or not os.path.isfile(real):

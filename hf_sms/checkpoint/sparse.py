@@ -14,7 +14,6 @@ from ..families.state import load_into
 from ..pruning.prunable import prunable_tensors
 from ..pruning.selection import ModuleSelection
 from ..runtime.convert import to_sparse_runtime
-from ..shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 from ..shrinking.cut import resize_to
 from ..shrinking.fit import cut_unstated
 from .card import write_card
@@ -29,6 +28,7 @@ from .plain import write_plain_route
 from .reader import SparseCheckpoint, check_masks
 from .runtime_load import load_runtime
 from .safetensors_io import SafetensorsFile, WeightsWriter
+from .shrink_record import IN_PLACE, SMALLER, ShrinkRecord
 
 
 def _store_weights(folder: str, fmt: str) -> tuple[MaskStats, dict[str, int]]:

@@ -36,7 +36,6 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..shrink_record import ShrinkRecord
 from .codec import decode_tensor
 from .compressed_tensors import is_compressed_folder
 from .constants import FORMAT_VERSION, INDEX_NAME, INDEX_SUFFIX, QUANT_METHOD, QUANT_METHODS, WEIGHTS_NAME
@@ -46,6 +45,7 @@ from .inspect import verify_checkpoint
 from .masks import MaskStats, eligible
 from .prefetch import Prefetcher
 from .safetensors_io import SafetensorsFile
+from .shrink_record import ShrinkRecord
 
 
 class _Converter(WeightConverter):

@@ -19,7 +19,7 @@ from ..pruning.prunable import (
     prunable_tensors,
     unfused_attention,
 )
-from ..trainer import SparseSoupMixin
+from ..training.trainer import SparseSoupMixin
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..pruning.masks import PackedMasks
 from ..pruning.prunable import Masks
 from ..soup.averaging import Accumulator, flat, pieces
-from .launcher import hide_launcher_env, launcher_env_hidden
+from .launcher import hide_launcher_env, launcher_env_hidden, one_of_several_asked
 
 StateDict = dict[str, torch.Tensor]
 
@@ -81,6 +81,12 @@ class ReplicaWorld:
         self._waiting, self._joined = None, {}
         self._use_cuda, self._local_rank = False, 0
         if self.size == 1:  # soups and sums where the run trains (a GPU's, not copied through the CPU)
+            if one_of_several_asked():
+                logging.getLogger("hf_sms").warning(
+                    "[hf-sms] accelerate launch --cpu --num_processes N started one process (several CPU processes "
+                    "need MPI: --mpirun_hostfile): this process trains every replica in turn. For N CPU processes "
+                    "without MPI: torchrun --nproc_per_node N SCRIPT"
+                )
             self.n_groups, self.group_index = 1, 0
             if not cpu and torch.cuda.is_available():
                 self.device = torch.device("cuda", torch.cuda.current_device())

@@ -29,7 +29,7 @@ def save_final_soup(
     saying what was cut (``recipe["shrunk"]``: units removed, parameters against ``dense``).
 
     The smaller folder is kept only if it loads back as a user would load it: by its family from its own config,
-    or, where the config cannot state its widths (:attr:`hf_sms.shrink_record.ShrinkRecord.cut_in_place`), by
+    or, where the config cannot state its widths (:attr:`hf_sms.checkpoint.shrink_record.ShrinkRecord.cut_in_place`), by
     :func:`hf_sms.load_sparse`, which cuts the model its family (or a template, for plain torch) builds to the
     stored widths, and gives the soup's outputs on the batches in ``checks`` too (other data than ``example``: a
     branch the traced batch did not take). Else the pruned soup is saved as a bitmask checkpoint, and the recipe

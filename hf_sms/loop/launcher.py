@@ -16,6 +16,18 @@ _saved: dict[str, str] = {}  # the launcher's variables while hidden
 _runs = 0  # runs in progress in this process (nested: BIMP's cycles)
 
 
+_MPI_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def one_of_several_asked() -> bool:
+    """Whether ``accelerate launch --cpu --num_processes N`` (N > 1) started this one process alone: without
+    ``--mpirun_hostfile`` accelerate runs the script once, with a rendezvous address (for N) but no rank or world
+    size, where torchrun would start N processes."""
+    accelerate_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
+    launched = any(k in os.environ for k in ("WORLD_SIZE", "RANK", *_MPI_SIZES))
+    return accelerate_cpu and "MASTER_ADDR" in os.environ and not launched
+
+
 def _reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
 

@@ -13,9 +13,9 @@ from ..evaluation.diagnostics import diversity, log_diversity
 from ..evaluation.flops import theoretical_speedup
 from ..evaluation.named import measure, metric_name
 from ..evaluation.sharded import evaluate
-from ..hub import card_metrics
 from ..pruning.masks import sparsity_report
-from ..results import save_results
+from ..records.hub import card_metrics
+from ..records.results import save_results
 
 logger = logging.getLogger("hf_sms")
 
@@ -152,6 +152,7 @@ class Recorder:
             "target_sparsity": sparsity,
             "candidates_val": val,
             "candidates_test": test,
+            "candidates_tests": tests,  # every named test set (the pair soups' scatter on any of them)
             "pairwise_l2": result.pairwise_l2
             if result.pairwise_l2 is not None
             else self.world.pairwise_l2(cands, len(val), soup),
@@ -190,7 +191,7 @@ class Recorder:
 
     def final_metrics(self) -> dict:
         """What the final soup's ``sparsity.json`` and model card report: every evaluation of the soup beside the
-        dense model, each with its metric's name and split (see :func:`hf_sms.hub.card_metrics`), the FLOP
+        dense model, each with its metric's name and split (see :func:`hf_sms.records.hub.card_metrics`), the FLOP
         speedup and the measured one."""
         row = self.results["rows"].get(self.results["final_row"], [{}])[-1]
         results = []

@@ -23,7 +23,7 @@ from ..checkpoint import load_sparse
 from ..checkpoint.codec import crc32
 from ..checkpoint.constants import REPLICA_STATE
 from ..checkpoint.folder import checkpoint_file
-from ..sharding import shard_replica, unsharded
+from ..training.sharding import shard_replica, unsharded
 
 logger = logging.getLogger("hf_sms")
 
@@ -31,7 +31,7 @@ logger = logging.getLogger("hf_sms")
 def fit(ctx, model: nn.Module, step, args, folder: str, callbacks=(), like=None, **trainer_kwargs) -> nn.Module:
     """Train ``model`` under ``step.masks`` with the run's trainer class, its output in ``folder``; returns it
     trained. With ``replica_sharding="fsdp"`` it trains sharded over its group and comes back a plain copy of
-    ``like`` (:mod:`hf_sms.sharding`), else it is trained in place."""
+    ``like`` (:mod:`hf_sms.training.sharding`), else it is trained in place."""
     sharded = getattr(args, "replica_sharding", "none") == "fsdp" and ctx.world.subgroup is not None
     masks = step.masks.values()
     kept = sum(int(m.count_nonzero()) for m in masks) / max(sum(m.numel() for m in masks), 1)

@@ -1,16 +1,16 @@
-"""Phases run together: the training jobs of one or more phases placed on the process groups at once, then each
-phase scored and souped (Algorithm 1's body, docs/method.md §1; docs/parallel.md).
+"""Phases run together: the training jobs of one or more phases placed on the process groups at once, then each phase
+scored and souped (Algorithm 1's body, docs/method.md §1; docs/parallel.md).
 
-A *track* is a generator that yields its next :class:`~hf_sms.phase.PhaseSpec` and receives its
-:class:`~hf_sms.phase.PhaseResult`: an SMS trajectory (one per soup method), an IMP baseline. :func:`drive` runs a
-run's tracks. On one process group each track runs to its end in turn (Algorithm 1, then each baseline, as on one
-process). On several, the next phase of every track forms a round (:func:`run_round`): its jobs, one per replica or
-IMP track, go to the groups longest first (:func:`hf_sms.loop.schedule.place`), a group that is done waits for
-the others, and then every phase is scored and souped by all processes together, in track order. A lone track with
-no soup (IMP, IMP_mx) yields one :class:`~hf_sms.phase.TrackJob` of all its phases instead: its group trains and
-measures them while the other groups go through the rounds. A job writes its
-own checkpoint folder and depends only on its phase's start, so any placement trains the same models, and a killed
-run resumes whatever jobs had finished.
+A *track* is a generator that yields its next :class:`~hf_sms.training.phase.PhaseSpec` and receives its
+:class:`~hf_sms.training.phase.PhaseResult`: an SMS trajectory (one per soup method), an IMP baseline. :func:`drive`
+runs a run's tracks. On one process group each track runs to its end in turn (Algorithm 1, then each baseline, as on
+one process). On several, the next phase of every track forms a round (:func:`run_round`): its jobs, one per replica
+or IMP track, go to the groups longest first (:func:`hf_sms.loop.schedule.place`), a group that is done waits for the
+others, and then every phase is scored and souped by all processes together, in track order. A lone track with no
+soup (IMP, IMP_mx) yields one :class:`~hf_sms.training.phase.TrackJob` of all its phases instead: its group trains
+and measures them while the other groups go through the rounds. A job writes its own checkpoint folder and depends
+only on its phase's start, so any placement trains the same models, and a killed run resumes whatever jobs had
+finished.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from torch import nn
 from ..adapters.replica import kind_of, make_replica, replica_distances, trained_state
 from ..adapters.soup import build_subset_soup, subset_soup, subset_weights
 from ..checkpoint.constants import REPLICA_STATE, SPARSITY_NAME
-from ..phase import PhaseResult, PhaseSpec, TrackJob
 from ..pruning.masks import PruningStep, WeightZeros
 from ..seeding import derive_seed
 from ..soup.method import SoupMethod, indicator_weights
 from ..soup.soup import soup
+from ..training.phase import PhaseResult, PhaseSpec, TrackJob
 from .replica_training import Parked, check_finite, load_replica, park, release_memory
 from .schedule import job_steps, place
 
@@ -243,9 +243,9 @@ def _subset_soup(ctx, spec: PhaseSpec, step, candidates: dict, val: list) -> tup
 
 def _pair_soups(ctx, spec: PhaseSpec, make) -> list[dict] | None:
     """With ``pairwise_soups``: the uniform soup of every pair of the phase's n replicas (``make(method) -> (soup,
-    weights)``), BatchNorm recalibrated, scored on validation and the first test set: the paper's scatter of each
-    pair's soup against its two ingredients. Every process builds and scores each pair together, once per phase
-    folder (the trajectories share their first phase's replicas)."""
+    weights)``), BatchNorm recalibrated, scored on validation and every test set: the paper's scatter of each pair's
+    soup against the better of its two ingredients (its OOD scatter on the corrupted sets). Every process builds and
+    scores each pair together, once per phase folder (the trajectories share their first phase's replicas)."""
     if not (ctx.args.pairwise_soups and spec.diagnosed):
         return None
     if spec.folder in ctx.pair_soups:
@@ -255,7 +255,8 @@ def _pair_soups(ctx, spec: PhaseSpec, make) -> list[dict] | None:
         select = SoupMethod(lambda scores, trial, config, pair=pair: indicator_weights(pair, n))
         model = ctx.recalibrate(make(select)[0])
         val = ctx.recorder.evaluate(model, ctx.eval_dataset, shared=True)
-        out.append({"pair": list(pair), "val": val, "test": ctx.recorder.test_scores(model, shared=True)["test"]})
+        scores = ctx.recorder.test_scores(model, shared=True)
+        out.append({"pair": list(pair), "val": val, "test": scores["test"], "tests": scores["tests"]})
     ctx.pair_soups[spec.folder] = out
     return out
 

@@ -25,7 +25,7 @@ from transformers.trainer_utils import has_length
 
 from ..checkpoint.constants import LOCK_FILE, REPLICA_STATE, RUN_FILE, SPARSITY_NAME, TMP_PREFIX
 from ..data import peek
-from ..results import save_results
+from ..records.results import save_results
 
 logger = logging.getLogger(__name__)
 

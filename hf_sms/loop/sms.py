@@ -15,23 +15,23 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from ..adapters.replica import kind_of
-from ..arguments import departures
 from ..batchnorm import has_batchnorm
 from ..checkpoint import save_sparse
 from ..checkpoint.constants import FINAL_SOUP, RESULTS_FILE, SPARSITY_NAME
-from ..config import SparseSoupConfig
 from ..data import split_validation
 from ..evaluation.metrics import MetricFn, as_metric
 from ..evaluation.named import named_tests
 from ..evaluation.sharded import recalibrate_shared
-from ..hub import push_to_hub
-from ..logs import show_logs_by_default
 from ..methods.common import empty_step
-from ..phase import PhaseResult, PhaseSpec, phase_folder
 from ..pruning.masks import PruningStep, phase_sparsities
+from ..records.hub import push_to_hub
+from ..records.logs import show_logs_by_default
 from ..registry import BASELINES, PRUNING_METHODS
 from ..seeding import derive_seed
-from ..trainer import SparseSoupTrainer
+from ..training.arguments import departures
+from ..training.config import SparseSoupConfig
+from ..training.phase import PhaseResult, PhaseSpec, phase_folder
+from ..training.trainer import SparseSoupTrainer
 from .checks import check_inputs, check_model, check_trainer_class, check_world
 from .distributed import ReplicaWorld
 from .final_soup import other_batches, save_final_soup
@@ -228,8 +228,8 @@ class SparseModelSoup:
             yield from track
 
     def run_phase(self, spec: PhaseSpec) -> PhaseResult:
-        """One phase (:mod:`hf_sms.phase`): prune (Step 1), retrain the replicas (Step 2), score them on validation,
-        soup them (Step 3)."""
+        """One phase (:mod:`hf_sms.training.phase`): prune (Step 1), retrain the replicas (Step 2), score them on
+        validation, soup them (Step 3)."""
         return self.run_round([spec])[0]
 
     def run_round(self, specs: list[PhaseSpec]) -> list[PhaseResult]:

@@ -13,7 +13,7 @@ from torch import nn
 from ..data import split_validation
 from ..families import family_of
 from ..soup.learned import FitData
-from ..trainer import cross_entropy_loss
+from ..training.trainer import cross_entropy_loss
 
 
 def split_fit_data(args, eval_dataset, model: nn.Module, collate, compute_loss_func=None):

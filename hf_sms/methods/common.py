@@ -15,7 +15,7 @@ from typing import Protocol
 from torch import nn
 
 from ..pruning.masks import PruningStep
-from ..schedules import steps_per_epoch
+from ..training.schedules import steps_per_epoch
 
 
 class MethodContext(Protocol):
@@ -36,7 +36,7 @@ class MethodContext(Protocol):
 
     def copy_pretrained(self) -> nn.Module: ...  # on the device the run trains on
 
-    def run_phase(self, spec) -> object: ...  # a PhaseSpec -> PhaseResult (hf_sms.phase)
+    def run_phase(self, spec) -> object: ...  # a PhaseSpec -> PhaseResult (hf_sms.training.phase)
 
     def train_single(self, start: nn.Module, args, name: str, callbacks=(), total_steps=None, **trainer_kwargs): ...
 

@@ -19,11 +19,11 @@ import copy
 import torch
 from transformers import TrainerCallback
 
-from ..phase import PhaseSpec, phase_folder
 from ..plan import PruningPlan, resolve_pruning
 from ..pruning.masks import apply_masks, masks_from_model
 from ..registry import PRUNING_METHODS
 from ..seeding import derive_seed
+from ..training.phase import PhaseSpec, phase_folder
 from .common import check_pruning_steps, single, sms_start_step, total_steps
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..checkpoint.shrink_record import PRUNED, ShrinkRecord
 from ..families import family_of
 from ..pruning.allocations import get_allocation, n_of_m, parse_n_of_m
 from ..pruning.graph import trace_units
@@ -24,7 +25,6 @@ from ..pruning.prunable import Masks, PrunableTensor, prunable_tensors
 from ..pruning.units import UnitGroup, keep_count, unit_masks, unit_report
 from ..registry import ALLOCATIONS, CRITERIA, STRUCTURES
 from ..runtime.speed import measure_speedup_of, time_smaller
-from ..shrink_record import PRUNED, ShrinkRecord
 from ..shrinking.shrink import KINDS, example_batch, shrink, shrink_record
 from .unit_groups import same_in_train_mode, stated_groups, tell_once
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from ..batchnorm import forward_batch
+from ..checkpoint.shrink_record import BY_CONFIG, IN_PLACE, SMALLER, ShrinkRecord
 from ..families import family_of
 from ..pruning.graph import trace_units
 from ..pruning.prunable import accepts_labels, parameter_count, train_forward, unfused_attention
 from ..pruning.units import UnitGroup, removed_units, unit_report
-from ..shrink_record import BY_CONFIG, IN_PLACE, SMALLER, ShrinkRecord
 from .cut import cut_in_place, cut_state_dict, kept_index
 from .fit import fit, pad, states_itself
 
@@ -186,7 +186,9 @@ def shrink(
     _check_arguments(model, rtol, multiple_of)
     batch = example_batch(model, example_inputs)
     kinds = kinds_of(structure)
-    groups = trace_units(model, batch).groups(kinds)
+    trace = trace_units(model, batch)
+    groups = trace.groups(kinds)
+    _warn_unread(trace.unread)
     keep = [~removed_units(model, g) for g in groups]
     keep = [k if bool(k.any()) else pad(k, 1) for k in keep]  # never a zero-width layer
     if not any(not bool(k.all()) for k in keep):
@@ -222,6 +224,18 @@ def _rebuilt(model: nn.Module, groups: list[UnitGroup], fitted) -> nn.Module:
     dtypes = {p.dtype for p in model.parameters()}
     smaller = smaller.to(param.device, dtype=dtypes.pop() if len(dtypes) == 1 else None)
     return smaller.train(model.training)
+
+
+def _warn_unread(unread: frozenset) -> None:
+    if unread:
+        names = sorted(unread)
+        more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+        warnings.warn(
+            f"shrink: the forward on the example batch read none of {', '.join(names[:4])}{more} (a branch it did "
+            "not take, or weights forward never uses): the smaller model is checked on that forward only, and where "
+            "forward takes another branch it can fail with a shape error. Pass example_inputs that take every branch",
+            stacklevel=3,
+        )
 
 
 def _warn_kept(groups, keep, kept) -> None:

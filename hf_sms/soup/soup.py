@@ -2,7 +2,7 @@
 
 :func:`soup` runs a registered :class:`~hf_sms.soup.method.SoupMethod` on candidates wherever they live: the SMS loop
 passes its :class:`~hf_sms.loop.distributed.ReplicaWorld`, the in-memory helpers :func:`hf_sms.uniform_soup` and
-:func:`hf_sms.greedy_soup` (:mod:`hf_sms.merging`) a :class:`LocalWorld`. The weighted mean goes through
+:func:`hf_sms.greedy_soup` (:mod:`hf_sms.soup.merging`) a :class:`LocalWorld`. The weighted mean goes through
 :mod:`hf_sms.soup.averaging` (float64 sums, integer buffers from the first kept input), so inputs that share a mask
 give a soup with that mask, bit for bit.
 """

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import (
     BleuMetric,
     ClassificationAccuracy,

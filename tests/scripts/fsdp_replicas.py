@@ -20,7 +20,7 @@ from sharded_task import OPTIMS, REPLICAS, STEPS, batch, build, pruned_start  # 
 
 from hf_sms.pruning.enforcement import ExactMasking, MaskEnforcer  # noqa: E402
 from hf_sms.pruning.masks import masks_from_model  # noqa: E402
-from hf_sms.sharding import local_state, save_sharded, sharded_soup  # noqa: E402
+from hf_sms.training.sharding import local_state, save_sharded, sharded_soup  # noqa: E402
 
 out, optim = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")

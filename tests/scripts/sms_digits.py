@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 from hf_sms import SparseSoupConfig, run_sms
+from hf_sms.cli.demo import DigitsResNet
 from hf_sms.data import TensorDictDataset, load_digits_splits
-from hf_sms.demo import DigitsResNet
 from hf_sms.evaluation import ClassificationAccuracy, MeanOverSets, SubgroupRecall
 from hf_sms.pruning.masks import is_sharded
 

@@ -19,7 +19,7 @@ from conftest import make_image_dataset, make_pspnet, make_resnet, make_t5, sms_
 
 from hf_sms import run_sms  # noqa: E402
 from hf_sms.batchnorm import forward_batch  # noqa: E402
-from hf_sms.trainer import cross_entropy_loss  # noqa: E402
+from hf_sms.training.trainer import cross_entropy_loss  # noqa: E402
 
 gc.collect()
 gc.freeze()  # the imports leave the cyclic collector's scans: the loop collects after every replica

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_sms import SparseSoupConfig, SparseSoupTrainer, compute_masks, save_sparse
 from hf_sms.loop.launcher import hide_launcher_env
 from hf_sms.pruning.masks import is_sharded
-from hf_sms.sharding import full_model, full_state_dict, shard_replica
+from hf_sms.training.sharding import full_model, full_state_dict, shard_replica
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo")

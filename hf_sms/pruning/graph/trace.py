@@ -40,6 +40,7 @@ class Trace:
     found: list[Found]
     skipped: dict[str, str]
     prunable: frozenset = frozenset()
+    unread: frozenset = frozenset()  # weights the forward never read: a branch the batch did not take, or unused
 
     def groups(self, kinds: tuple[str, ...]) -> list[UnitGroup]:
         """The unit groups of the spaces any of ``kinds`` may prune, each once, its kind the first of ``kinds`` it
@@ -270,4 +271,5 @@ def _units(model: nn.Module, rec: Recorder) -> Trace:
         found.append(Found(frozenset(kinds), n, dict(where), flat_roles, _describe(producers, [])))
     order = {n: i for i, (n, _) in enumerate([*model.named_parameters(), *model.named_buffers()])}
     found.sort(key=lambda f: min(order.get(k[0], 0) for k in f.slices))
-    return Trace(found, skipped, prunable)
+    unread = frozenset(n for n, p in model.named_parameters() if p.dim() and (n, 0) not in rec.occurrences)
+    return Trace(found, skipped, prunable, unread)

@@ -12,8 +12,8 @@ import tempfile
 
 from torch import nn
 
-from .checkpoint import save_sparse
-from .checkpoint.card import (  # noqa: F401  (the card's names, importable from here as before)
+from ..checkpoint import save_sparse
+from ..checkpoint.card import (  # noqa: F401  (the card's names, importable from here as before)
     CARD_MARK,
     MEASURED,
     SHRUNK,
@@ -25,8 +25,8 @@ from .checkpoint.card import (  # noqa: F401  (the card's names, importable from
     model_index,
     results_table,
 )
-from .checkpoint.constants import CARD_NAME
-from .checkpoint.folder import published_files
+from ..checkpoint.constants import CARD_NAME
+from ..checkpoint.folder import published_files
 
 logger = logging.getLogger(__name__)
 CARD_MODES = ("generate", "replace", "keep")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import PRETRAIN_SHAPES, RETRAIN_SCHEDULES
+from ..registry import PRETRAIN_SHAPES, RETRAIN_SCHEDULES
 
 # Shapes of the original (pre)training schedule on normalised time u in [0, 1]: shape(u, lr_max, lr_min).
 PRETRAIN_SHAPES.add("linear", lambda u, hi, lo: hi + (lo - hi) * u)

@@ -2,7 +2,7 @@
 
 The hf-sms fields are one mixin, :class:`SparseSoupArguments`, composed with any Trainer's arguments class:
 :class:`SparseSoupConfig` (TrainingArguments, the paper's defaults for an SMS run) here; Seq2Seq and any other
-arguments class (trl's ``SFTConfig``) in :mod:`hf_sms.arguments`.
+arguments class (trl's ``SFTConfig``) in :mod:`hf_sms.training.arguments`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
-from .config_checks import check_lengths_and_ranges
-from .plan import PruningPlan, resolve_pruning
-from .pruning.masks import phase_sparsities
-from .registry import (
+from ..plan import PruningPlan, resolve_pruning
+from ..pruning.masks import phase_sparsities
+from ..registry import (
     ALLOCATIONS,
     BASELINES,
     PRETRAIN_SHAPES,
@@ -25,8 +24,9 @@ from .registry import (
     RETRAIN_SCHEDULES,
     SOUPS,
 )
-from .seeding import derive_seed
-from .soup_options import resolve_soup_options
+from ..seeding import derive_seed
+from ..soup.options import resolve_soup_options
+from .config_checks import check_lengths_and_ranges
 
 
 @dataclass(kw_only=True, repr=False)  # keep TrainingArguments' repr, which masks tokens

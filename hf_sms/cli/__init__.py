@@ -11,8 +11,8 @@ import argparse
 import importlib
 import sys
 
-from .checkpoint.constants import FORMATS  # file names and formats only: no torch
-from .checkpoint.integrity import CorruptionError  # no torch either
+from ..checkpoint.constants import FORMATS  # file names and formats only: no torch
+from ..checkpoint.integrity import CorruptionError  # no torch either
 
 
 def _output(p: argparse.ArgumentParser, fmt: str, what: str) -> None:
@@ -31,15 +31,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="A smaller setting (2 phases, m=2) for CI.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small layers gain nothing more).")
-    p.set_defaults(run="hf_sms.demo:command")
+    p.set_defaults(run="hf_sms.cli.demo:command")
 
     p = sub.add_parser("table", help="Print Table-1 shaped tables from results.json files (mean ± std over runs).")
     p.add_argument("results", nargs="+", help="results.json of one or more runs of the same setting (e.g. seeds)")
     p.add_argument("--split", nargs="*", help="val, test or named test sets (default: every test set)")
-    p.set_defaults(run="hf_sms.results:table")
+    p.set_defaults(run="hf_sms.records.results:table")
     p = sub.add_parser("timeline", help="Busy and idle time of every process of a run; draws RUN_DIR/timeline.png.")
     p.add_argument("run_dir", help="a run's output folder (holding results.json)")
-    p.set_defaults(run="hf_sms.results:timeline_command")
+    p.set_defaults(run="hf_sms.records.results:timeline_command")
 
     p = sub.add_parser(
         "merge",
@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="the soup's random stream (dare's drop)")
     _output(p, "bitmask", "one of the inputs")
-    p.set_defaults(run="hf_sms.checkpoint_cli:run_merge")
+    p.set_defaults(run="hf_sms.cli.checkpoints:run_merge")
 
     p = sub.add_parser(
         "convert",
@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("directory", metavar="DIR")
     _output(p, "dense", "the input")
-    p.set_defaults(run="hf_sms.checkpoint_cli:run_convert")
+    p.set_defaults(run="hf_sms.cli.checkpoints:run_convert")
 
     p = sub.add_parser("inspect", help="format, size, measured sparsity and recipe of a checkpoint folder")
     p.add_argument("directory", metavar="DIR")
@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peak-of", choices=["dense", "auto", "csr", "smaller", "dense-shapes"], help=argparse.SUPPRESS
     )  # the memory child
-    p.set_defaults(run="hf_sms.checkpoint_cli:run_speed")
+    p.set_defaults(run="hf_sms.cli.checkpoints:run_speed")
     return parser
 
 
@@ -110,7 +110,3 @@ def main(argv: list[str] | None = None) -> int:
         what = f"{e.filename}: {e.strerror}" if e.filename else str(e)
         print(f"hf-sms {args.command}: error: cannot read {what}; check the path and its permissions", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .pruning.masks import PruningStep
-from .pruning.prunable import Masks
+from ..pruning.masks import PruningStep
+from ..pruning.prunable import Masks
 
 
 def phase_folder(run: str, index: int) -> str:
@@ -82,7 +82,7 @@ class PhaseResult:
     owners: list[int] | None = None
     pairwise_l2: list[float] | None = None  # measured where the candidates are not whole models (subset replicas)
     rows: list[dict] | None = None  # a TrackJob's: the measured row of each of its phases
-    pair_soups: list[dict] | None = None  # pairwise_soups: {"pair": [i, j], "val", "test"} per pair of replicas
+    pair_soups: list[dict] | None = None  # pairwise_soups: {"pair": [i, j], "val", "test", "tests"} per pair
     also: dict[str, nn.Module] = field(default_factory=dict)  # PhaseSpec.also's soups, by method
     # the candidates' test scores and diversity (Recorder.candidate_scores), measured before their soup was written
     # into the start their weights share (subset replicas); None: measured from ``candidates`` when recorded

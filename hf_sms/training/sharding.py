@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint.sparse import save_sparse
-from .pruning.masks import is_sharded
-from .soup.averaging import Accumulator
+from ..checkpoint.sparse import save_sparse
+from ..pruning.masks import is_sharded
+from ..soup.averaging import Accumulator
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -160,8 +160,9 @@ def full_model(model: nn.Module) -> nn.Module | None:
     plain = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the model's
     if not hasattr(plain, "_from_config"):  # said on every process, before any of them gathers
         raise ValueError(
-            f"a sharded {plain.__name__} cannot be rebuilt from a config: save it with hf_sms.sharding.save_sharded("
-            f"model, folder, template=<an unsharded {plain.__name__}, e.g. built on the meta device>)"
+            f"a sharded {plain.__name__} cannot be rebuilt from a config: save it with "
+            f"hf_sms.training.sharding.save_sharded(model, folder, template=<an unsharded {plain.__name__}, e.g. "
+            "built on the meta device>)"
         )
     with torch.device("meta"):
         template = plain._from_config(model.config)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
+from ..registry import REPLICA_PARAMS
 from .config import SparseSoupArguments, SparseSoupConfig
-from .registry import REPLICA_PARAMS
 
 
 @dataclass(kw_only=True, repr=False)

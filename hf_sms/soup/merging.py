@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from .plan import compute_masks
-from .soup.soup import soup
+from ..plan import compute_masks
+from .soup import soup
 
 
 def uniform_soup(models: Sequence[nn.Module], reprune_sparsity: float | None = None, allocation: str = "global"):

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from .checkpoint.constants import RESULTS_FILE
-from .config import SparseSoupConfig
-from .data import load_digits_splits
-from .evaluation.metrics import ClassificationAccuracy
-from .loop.sms import SparseModelSoup
-from .results import format_table, plot_results, save_results, speedup_report
-from .trainer import cross_entropy_loss
+from ..checkpoint.constants import RESULTS_FILE
+from ..data import load_digits_splits
+from ..evaluation.metrics import ClassificationAccuracy
+from ..loop.sms import SparseModelSoup
+from ..records.results import format_table, plot_results, save_results, speedup_report
+from ..training.config import SparseSoupConfig
+from ..training.trainer import cross_entropy_loss
 
 
 class _Block(nn.Module):

@@ -1,9 +1,9 @@
-"""The plain checks of a :class:`~hf_sms.config.SparseSoupArguments`: lengths of per-replica lists, ranges, and
+"""The plain checks of a :class:`~hf_sms.training.config.SparseSoupArguments`: lengths of per-replica lists, ranges, and
 settings that need each other; each error says how to fix it, before any work is done."""
 
 from __future__ import annotations
 
-from .registry import PRUNING_METHODS
+from ..registry import PRUNING_METHODS
 
 # The trainer's learning-rate modes (see SparseSoupTrainer's ``lr_schedule``).
 LR_SCHEDULES = ("retrain", "original", "pretrain")

@@ -8,24 +8,12 @@ import os
 import statistics
 import sys
 
-from .atomic import atomic_path, atomic_write
-from .runtime.speed import format_measured
+from ..atomic import atomic_path, atomic_write
+from ..runtime.speed import format_measured
 
-ROW_ORDER = (
-    "sms_uniform",
-    "sms_greedy",
-    "best_candidate",
-    "best_candidate_by_test",
-    "mean_candidate",
-    "ensemble",
-    "imp_mx",
-    "imp_phases",
-    "imp_swa",
-    "swamp",
-    "imp_reprune",
-    "imp_reprune_cia",
-    "imp_reprune_caa",
-    "imp",
+ROW_ORDER = tuple(
+    "sms_uniform sms_greedy best_candidate best_candidate_by_test mean_candidate ensemble imp_mx imp_phases imp_swa "
+    "swamp imp_reprune imp_reprune_cia imp_reprune_caa imp".split()
 )
 ROW_NAMES = {
     "sms_uniform": "SMS (uniform)",
@@ -202,23 +190,22 @@ def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, y
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120, format="png")
-    finally:
-        plt.close(fig)
+    _save_figure(fig, path)
 
 
-def pair_points(runs: list[dict]) -> dict[int, list[tuple[float, float]]]:
-    """``{phase: [(mean of the two ingredients' test scores, the pair soup's), ...]}`` over every run's pair soups."""
+def pair_points(runs: list[dict], test_set: str | None = None) -> dict[int, list[tuple[float, float]]]:
+    """``{phase: [(the better of the two ingredients' test scores, the pair soup's), ...]}`` over every run's pair
+    soups, as the paper's appendix scatters them: on the first test set, or on ``test_set`` (a name of ``tests``)."""
     points: dict[int, list[tuple[float, float]]] = {}
     for run in runs:
         for d in run.get("sms", []):
             for pair in d.get("pair_soups") or []:
-                ingredients = [d["candidates_test"][i] for i in pair["pair"]]
-                if pair["test"] is not None and None not in ingredients:
-                    points.setdefault(d["phase"], []).append((statistics.mean(ingredients), pair["test"]))
+                soup, scores = pair["test"], d["candidates_test"]
+                if test_set is not None:
+                    soup, scores = pair.get("tests", {}).get(test_set), d.get("candidates_tests", {}).get(test_set)
+                ingredients = [scores[i] for i in pair["pair"]] if scores else [None]
+                if soup is not None and None not in ingredients:
+                    points.setdefault(d["phase"], []).append((max(ingredients), soup))
     return points
 
 
@@ -228,7 +215,7 @@ def _scatter_pairs(ax, pairs: dict[int, list[tuple[float, float]]], label: str) 
     for phase, points in sorted(pairs.items()):
         ax.scatter(*zip(*points), s=18, label=f"phase {phase}")
     ax.set_title("pair soups (test)")
-    ax.set_xlabel(f"mean of the two ingredients, {label}")
+    ax.set_xlabel(f"better of the two ingredients, {label}")
     ax.set_ylabel(f"soup of the pair, {label}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -287,12 +274,7 @@ def plot_timeline(run: dict, path: str) -> None:
     ax.set_xlabel("seconds since the run began (white: shared pruning, soups, evaluation)")
     ax.invert_yaxis()
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120, format="png")
-    finally:
-        plt.close(fig)
+    _save_figure(fig, path)
 
 
 # -- hf-sms table, hf-sms timeline (their arguments: hf_sms.cli) --------------------------------------------------
@@ -395,3 +377,15 @@ def timeline_command(args) -> int:
     plot_timeline(run, picture)
     print(f"wrote {picture}")
     return 0
+
+
+def _save_figure(fig, path: str) -> None:
+    """``fig`` as a PNG at ``path``, written atomically; closed either way."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
+    finally:
+        plt.close(fig)

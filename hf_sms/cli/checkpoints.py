@@ -11,16 +11,16 @@ import sys
 import torch
 from accelerate import init_empty_weights
 
-from .checkpoint import (
+from ..checkpoint import (
     SparseCheckpoint,
     load_sparse,
     merge_checkpoints,
 )
-from .checkpoint.folder import read_sparsity
-from .checkpoint.merge import convert_checkpoint
-from .runtime.speed import format_measured, measure_speedup, time_smaller
-from .shrink_record import ShrinkRecord
-from .shrinking.shrink import dense_shaped
+from ..checkpoint.folder import read_sparsity
+from ..checkpoint.merge import convert_checkpoint
+from ..checkpoint.shrink_record import ShrinkRecord
+from ..runtime.speed import format_measured, measure_speedup, time_smaller
+from ..shrinking.shrink import dense_shaped
 
 
 def run_merge(args: argparse.Namespace) -> int:

@@ -20,10 +20,10 @@ import yaml
 from accelerate.utils import broadcast
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from .checkpoint import load_sparse, save_sparse
-from .checkpoint.folder import read_sparsity
-from .data import VALIDATION_SEED
-from .evaluation.corruptions import (
+from ..checkpoint import load_sparse, save_sparse
+from ..checkpoint.folder import read_sparsity
+from ..data import VALIDATION_SEED
+from ..evaluation.corruptions import (
     CORRUPTIONS,
     SEVERITIES,
     ArrayImages,
@@ -32,14 +32,14 @@ from .evaluation.corruptions import (
     imagenet_c_files,
     load_cifar_c,
 )
-from .evaluation.named import MeanOverSets
-from .evaluation.subgroups import SubgroupRecall
-from .loop.distributed import launched_world_size
-from .loop.run_directory import lock_folder
-from .loop.sms import SparseModelSoup
-from .results import format_table, reported_tests, speedup_report
+from ..evaluation.named import MeanOverSets
+from ..evaluation.subgroups import SubgroupRecall
+from ..loop.distributed import launched_world_size
+from ..loop.run_directory import lock_folder
+from ..loop.sms import SparseModelSoup
+from ..records.results import format_table, reported_tests, speedup_report
+from ..training.trainer import SparseSoupTrainer
 from .smoke import SMOKE_ARGS
-from .trainer import SparseSoupTrainer
 
 logger = logging.getLogger("hf_sms")
 

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from .atomic import atomic_write
+from ..atomic import atomic_write
 
 # What --smoke sets on top of the YAML (flags still override): the whole pipeline on CPU in seconds.
 SMOKE_ARGS = dict(

@@ -20,21 +20,22 @@ from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
-from .adapters.merge import check_mergeable
-from .adapters.replica import ADAPTER_FOLDER, adapted, adapter_masks, kind_of, make_replica, merged_copy, save_adapter
+from ..adapters.folders import ADAPTER_FOLDER, MERGED_NOTE, save_adapter
+from ..adapters.merge import check_mergeable
+from ..adapters.replica import adapted, adapter_masks, kind_of, make_replica, merged_copy
+from ..batchnorm import recalibrate_batchnorm
+from ..checkpoint import save_sparse
+from ..checkpoint.constants import MASKS_NAME
+from ..checkpoint.trainer_card import merge_trainer_card, read_card
+from ..checkpoint.trainer_masks import load_pruning_step, save_masks
+from ..families import family_of
+from ..pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy, unwrap_optimizer
+from ..pruning.masks import PruningStep, apply_masks, is_sharded
+from ..pruning.prunable import Masks
+from ..seeding import EpochShuffleSampler
 from .arguments import as_sparse_arguments, sparse_config
-from .batchnorm import recalibrate_batchnorm
-from .checkpoint import save_sparse
-from .checkpoint.constants import MASKS_NAME
-from .checkpoint.trainer_card import merge_trainer_card, read_card
-from .checkpoint.trainer_masks import load_pruning_step, save_masks
 from .config_checks import LR_SCHEDULES
-from .families import family_of
-from .pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy, unwrap_optimizer
-from .pruning.masks import PruningStep, apply_masks, is_sharded
-from .pruning.prunable import Masks
 from .schedules import PRETRAIN_SHAPES, ScheduleContext, allr_start_lr, make_lr_scheduler, steps_per_epoch
-from .seeding import EpochShuffleSampler
 from .sharding import full_model
 
 logger = logging.getLogger("hf_sms")
@@ -322,7 +323,8 @@ class SparseSoupMixin:
                             os.remove(os.path.join(folder, name))
                     save_adapter(self.model, os.path.join(folder, ADAPTER_FOLDER))
                 model = merged_copy(model) if self.adapted else model
-                save_sparse(model, folder, processing_class=self.processing_class)
+                recipe = {"notes": [MERGED_NOTE]} if self.adapted else None
+                save_sparse(model, folder, recipe=recipe, processing_class=self.processing_class)
                 merge_trainer_card(folder, card)
                 if self.args.plan.cuts_units:  # the run loop saves the smaller model; here it is one call away
                     structure = self.args.plan.describe().get("structure")

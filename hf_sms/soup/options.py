@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .registry import SOUPS
+from ..registry import SOUPS
 
 # the soups IMP-RePrune's baselines make of its m tracks (hf_sms.baselines.imp); their options go in soup_options too
 REPRUNE_SOUPS = {"imp_reprune": "reprune", "imp_reprune_cia": "reprune_cia", "imp_reprune_caa": "reprune_caa"}
