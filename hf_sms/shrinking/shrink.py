@@ -188,7 +188,6 @@ def shrink(
     kinds = kinds_of(structure)
     trace = trace_units(model, batch)
     groups = trace.groups(kinds)
-    _warn_unread(trace.unread)
     keep = [~removed_units(model, g) for g in groups]
     keep = [k if bool(k.any()) else pad(k, 1) for k in keep]  # never a zero-width layer
     if not any(not bool(k.all()) for k in keep):
@@ -202,6 +201,7 @@ def shrink(
         fitted = None
     if fitted is None:
         keep = [pad(k, min(math.ceil(int(k.sum()) / multiple_of) * multiple_of, len(k))) for k in keep]
+        _warn_unread(trace.unread)  # a config's widths rebuild every layer alike; a cut in place follows the trace
         smaller = cut_in_place(copy.deepcopy(model), kept_index(model, groups, keep))
     else:
         smaller = _rebuilt(model, groups, fitted)
