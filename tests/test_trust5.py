@@ -587,3 +587,25 @@ def test_shrink_names_the_weights_a_branch_the_batch_did_not_take_would_read():
     hf_sms.apply_masks(model, hf_sms.compute_masks(model, 0.5, structure="neurons", example_inputs=x))
     with pytest.warns(UserWarning, match=r"read none of c\.bias, c\.weight .*example_inputs that take every branch"):
         hf_sms.shrink(model, x, structure="neurons")
+
+
+def test_a_hooked_mlp_is_cut_in_place_with_its_hooks_not_rebuilt_without_them():
+    """Item 16: a model whose MLP carries a forward hook was rebuilt from its config (the hook lost), and shrink
+    then said "computes other outputs ... please report it": the rebuild cannot run hooks, so the units are cut in
+    place, hooks kept, and a warning names the hooked modules."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2}
+    config = LlamaConfig(vocab_size=64, num_hidden_layers=2, **shape)
+    model = LlamaForCausalLM(config).eval()
+    for layer in model.model.layers:
+        layer.mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randint(0, 64, (2, 8))
+    with pytest.warns(UserWarning, match=r"forward hooks on model\.layers\.0\.mlp\.up_proj"):
+        hf_sms.apply_masks(model, hf_sms.compute_masks(model, 0.5, structure="neurons", example_inputs=x))
+        smaller = hf_sms.shrink(model, x, structure="neurons")
+    mlp = smaller.model.layers[0].mlp
+    assert mlp.up_proj.out_features < 32 and len(mlp.up_proj._forward_hooks) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(smaller(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)

@@ -264,6 +264,15 @@ def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], mul
     cache = _cache(family, model)  # a run fits twice
     if _built(family, model, {}, cache) is None:
         return None
+    hooked = [n or type(model).__name__ for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    if hooked:  # a model rebuilt from its config runs none of them: it would compute something else
+        warnings.warn(
+            f"forward hooks on {', '.join(hooked[:4])}{' ...' if len(hooked) > 4 else ''}: a model rebuilt from its "
+            "config would not run them, so no width is written into the config; fit_config=False cuts the units in "
+            "place, hooks kept",
+            stacklevel=3,
+        )
+        return Fit({}, [torch.ones(g.n_units, dtype=torch.bool) for g in groups], [False] * len(groups))
     dense = tensor_shapes(model)
     if _built(family, model, {}, cache) != dense:
         return Fit({}, [torch.ones(g.n_units, dtype=torch.bool) for g in groups], [False] * len(groups))
