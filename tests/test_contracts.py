@@ -59,6 +59,7 @@ def test_every_soup_keeps_the_mask_and_its_promises(name):
     x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     target = replicas[0](x).detach()
 
+    @torch.no_grad()
     def evaluate(model):  # higher is better: closeness to replica 0's outputs
         return -float((model(x) - target).pow(2).mean())
 

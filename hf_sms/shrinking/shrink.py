@@ -201,7 +201,8 @@ def shrink(
         fitted = None
     if fitted is None:
         keep = [pad(k, min(math.ceil(int(k.sum()) / multiple_of) * multiple_of, len(k))) for k in keep]
-        _warn_unread(trace.unread)  # a config's widths rebuild every layer alike; a cut in place follows the trace
+        # widths from a config rebuild every layer alike; a cut in place follows the trace (train-only heads too)
+        _warn_unread(trace.unread and trace.unread & trace_units(model, batch, train=True).unread)
         smaller = cut_in_place(copy.deepcopy(model), kept_index(model, groups, keep))
     else:
         smaller = _rebuilt(model, groups, fitted)
