@@ -24,7 +24,7 @@ from transformers import Trainer
 
 import hf_sms.loop.sms
 from hf_sms import SparseSoupConfig, SparseSoupTrainer
-from hf_sms.cli.demo import DigitsResNet, pretrain
+from hf_sms.cli.demo import DIGITS_SETTINGS, DigitsResNet, pretrain
 from hf_sms.data import load_digits_splits
 from hf_sms.evaluation import ClassificationAccuracy
 from hf_sms.loop.sms import SparseModelSoup
@@ -76,19 +76,12 @@ for seed in cli.seeds:
                 target_sparsity=target,
                 n_phases=3,
                 num_replicas=m,
-                retrain_schedule="allr",
                 pretrain_epochs=cli.pretrain_epochs,
                 pretrain_learning_rate=cli.lr,
                 learning_rate=cli.lr,
                 num_train_epochs=cli.retrain_epochs,
-                per_device_train_batch_size=64,
-                optim="sgd",
-                optim_args="momentum=0.9,nesterov=true",
-                weight_decay=5e-4,
                 seed=seed,
-                use_cpu=True,
-                disable_tqdm=True,
-                report_to="none",
+                **DIGITS_SETTINGS,
                 merge_methods=cli.merge_methods,
                 soup_options=cli.soup_options,
                 baselines=cli.baselines,

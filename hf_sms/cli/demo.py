@@ -78,6 +78,20 @@ def pretrain(model: nn.Module, train, output_dir: str, epochs: float, lr: float,
     return model
 
 
+# The demo's retraining (and benchmarks/reproduce_table1.py's): ALLR, SGD with Nesterov momentum, the decay of its
+# pretraining, on the CPU
+DIGITS_SETTINGS = {
+    "retrain_schedule": "allr",
+    "per_device_train_batch_size": 64,
+    "optim": "sgd",
+    "optim_args": "momentum=0.9,nesterov=true",
+    "weight_decay": 5e-4,
+    "use_cpu": True,
+    "disable_tqdm": True,
+    "report_to": "none",
+}
+
+
 def run_demo(output_dir: str, quick: bool = False, seed: int = 0, threads: int = 1) -> dict:
     """Pretrain, then SMS (m=3, 3 phases to 98%) beside IMP and IMP_3x; ``quick``: a smaller setting for CI.
     ``threads``: torch's intra-op threads. One by default: the demo's layers are too small to gain from more, and
@@ -99,20 +113,13 @@ def run_demo(output_dir: str, quick: bool = False, seed: int = 0, threads: int =
         target_sparsity=0.98,  # at 90% digits is saturated: every method is within a test image or two
         n_phases=2 if quick else 3,
         num_replicas=2 if quick else 3,
-        retrain_schedule="allr",
         pretrain_epochs=pre_epochs,
         pretrain_learning_rate=lr,
         learning_rate=lr,
         num_train_epochs=retrain_epochs,
-        per_device_train_batch_size=64,
-        optim="sgd",
-        optim_args="momentum=0.9,nesterov=true",
-        weight_decay=5e-4,
         seed=seed,
-        use_cpu=True,
-        disable_tqdm=True,
-        report_to="none",
         baselines=["imp", "imp_mx"],
+        **DIGITS_SETTINGS,
     )
     runner = SparseModelSoup(model, args, train, accuracy, eval_dataset=val, test_dataset=test)
     runner.run()
