@@ -418,3 +418,25 @@ def test_trainer_final_save_is_a_sparse_checkpoint(make_args, t5_dataset, byt5_t
     assert SparseCheckpoint(out).format == "bitmask"
     assert json.loads(open(os.path.join(out, "sparsity.json")).read())["sparsity"] == pytest.approx(0.8, abs=0.01)
     _assert_same_state(trainer.model.eval(), AutoModelForSeq2SeqLM.from_pretrained(out))
+
+
+@pytest.mark.parametrize("fmt", ["bitmask", "dense"])
+def test_a_model_transformers_saves_under_former_names_loads_into_a_template(tmp_path, fmt):
+    """transformers 5 saves ViT under its former names (``encoder.layer.0.attention.attention.query``) and renames
+    them as it loads: a template (a replica's start, ``load_sparse(dir, model)``) is loaded the same way."""
+    from safetensors import safe_open
+    from transformers import ViTConfig, ViTForImageClassification
+
+    def make():
+        torch.manual_seed(0)
+        shape = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 32}
+        return ViTForImageClassification(ViTConfig(image_size=16, patch_size=8, num_labels=3, **shape)).eval()
+
+    model = make()
+    apply_masks(model, compute_masks(model, 0.5))
+    save_sparse(model, str(tmp_path / "vit"), format=fmt)
+    with safe_open(str(tmp_path / "vit" / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert not {k.removesuffix(".sp_index") for k in stored} <= set(model.state_dict())  # the former names
+    loaded = load_sparse(str(tmp_path / "vit"), make())
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())

@@ -45,10 +45,14 @@ def load_into(model: nn.Module, state_dict: dict[str, torch.Tensor], aliases: di
         ``model``. Raises ``ValueError`` on unexpected, misshapen or missing tensors, before or instead of
         leaving any tensor at its random initial value.
     """
+    own = model.state_dict()
+    if not set(state_dict) <= set(own):  # stored under transformers' former names (_renamed)
+        names = _renamed(model, [*state_dict, *(n for pair in (aliases or {}).items() for n in pair)], own)
+        state_dict = {names[k]: v for k, v in state_dict.items()}
+        aliases = {names[d]: names[k] for d, k in (aliases or {}).items()}
     for dup, kept in (aliases or {}).items():
         if kept in state_dict:
             state_dict.setdefault(dup, state_dict[kept])
-    own = model.state_dict()
     unexpected = sorted(set(state_dict) - set(own))
     mismatched = [k for k in state_dict if k in own and tuple(own[k].shape) != tuple(state_dict[k].shape)]
     if unexpected or mismatched:
@@ -78,3 +82,20 @@ def load_into(model: nn.Module, state_dict: dict[str, torch.Tensor], aliases: di
             "current (random) values. Re-save the checkpoint or pass the matching template."
         )
     return model
+
+
+def _renamed(model: nn.Module, names: list[str], own: dict) -> dict[str, str]:
+    """``{stored name: the name model uses}``: transformers 5 saves some architectures under their former names
+    (ViT's ``encoder.layer.0.attention.attention.query`` for ``layers.0.attention.q_proj``) and renames them when it
+    loads; a template is loaded the same way (renamings only: a tensor transformers would fuse stays unexpected)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without these: names as stored
+        return {n: n for n in names}
+    if not isinstance(model, PreTrainedModel):
+        return {n: n for n in names}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    prefix = getattr(model, "base_model_prefix", None)
+    return {n: rename_source_key(n, renamings, [], prefix, own)[0] for n in names}
