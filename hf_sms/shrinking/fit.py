@@ -256,6 +256,11 @@ def _cache(family, model: nn.Module) -> dict:
     return cache
 
 
+def _states_none(groups: list[UnitGroup]) -> Fit:
+    """A fit that writes no width into the config: every group keeps its units."""
+    return Fit({}, [torch.ones(g.n_units, dtype=torch.bool) for g in groups], [False] * len(groups))
+
+
 def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], multiple_of: int = 1) -> Fit | None:
     """The smaller model ``model``'s family can state with the units ``keep`` leaves (each group keeping a multiple
     of ``multiple_of``), or ``None`` where the family rebuilds nothing (plain torch). Groups no knob states keep
@@ -272,10 +277,10 @@ def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], mul
             "place, hooks kept",
             stacklevel=3,
         )
-        return Fit({}, [torch.ones(g.n_units, dtype=torch.bool) for g in groups], [False] * len(groups))
+        return _states_none(groups)
     dense = tensor_shapes(model)
     if _built(family, model, {}, cache) != dense:
-        return Fit({}, [torch.ones(g.n_units, dtype=torch.bool) for g in groups], [False] * len(groups))
+        return _states_none(groups)
     knobs = [k for k in family.knobs if family.accepts(model, k)]
     overrides: dict = {}
     stated = [False] * len(groups)
@@ -285,5 +290,5 @@ def fit(model: nn.Module, groups: list[UnitGroup], keep: list[torch.Tensor], mul
     _searched(*args)
     built = _built(family, model, overrides, cache)
     if built is None or {n: tuple(s) for n, s in built.items()} != cut_shapes(dense, groups, final):
-        return Fit({}, [torch.ones(g.n_units, dtype=torch.bool) for g in groups], [False] * len(groups))
+        return _states_none(groups)
     return Fit(overrides, final, stated)
