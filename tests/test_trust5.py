@@ -202,8 +202,9 @@ def _subset_run(tmp_path, **overrides):
     settings = dict(output_dir=str(tmp_path / "run"), target_sparsity=0.5, n_phases=1, num_replicas=2, max_steps=1,
                     per_device_train_batch_size=4, report_to="none", use_cpu=True, replica_params="mask_lora",
                     measure_speedup=False, disable_tqdm=True, lora_rank=2)  # fmt: skip
+    model = overrides.pop("model", None) or _tiny_lm()
     args = SparseSoupConfig(**{**settings, **overrides})
-    return run_sms(_tiny_lm(), args, rows[:10], NegativePerplexity(), eval_dataset=rows[10:13], test_dataset=rows[13:])
+    return run_sms(model, args, rows[:10], NegativePerplexity(), eval_dataset=rows[10:13], test_dataset=rows[13:])
 
 
 def test_a_finished_subset_replica_with_other_bytes_is_refused_on_resume_naming_its_file(tmp_path):
@@ -234,8 +235,23 @@ def test_a_finished_subset_replica_with_other_bytes_is_refused_on_resume_naming_
 def test_runs_that_would_end_non_finite_stop_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="finite lora_alpha"):
         SparseSoupConfig(output_dir=str(tmp_path), replica_params="mask_lora", lora_alpha=float("inf"))
-    with pytest.raises(ValueError, match="non-finite values.*diverged"):
-        _subset_run(tmp_path, lora_alpha=1e30, learning_rate=1.0)
+    # A training loss of inf makes every gradient inf or NaN by IEEE rules, on any CPU (a large lora_alpha overflowed
+    # only where the kernels did): the replica's adapters end non-finite and the run stops before any soup.
+    with pytest.raises(ValueError, match="non-finite values.*diverged.*lower learning_rate"):
+        _subset_run(tmp_path, model=_diverging(_tiny_lm()))
+    assert not list((tmp_path / "run").rglob("soup.safetensors"))
+
+
+def _diverging(model):
+    """``model`` whose training loss is inf (its evaluation untouched), as an overflowing run's loss becomes."""
+
+    def inf_loss(module, args, output):
+        if module.training:
+            output["loss"] = output["loss"] * float("inf")
+        return output
+
+    model.register_forward_hook(inf_loss)
+    return model
 
 
 def test_a_learned_soup_whose_fit_loss_is_nan_is_refused():
