@@ -7,9 +7,8 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-import re
 
-from ..families import Family, literal
+from ..families import Family, is_class_name, literal
 from . import program_check
 from .constants import CONFIG_NAME, FORMAT_VERSION, PROGRAM, QUANT_METHOD, QUANT_METHODS, TIMM_WIDTHS, WEIGHTS_NAME
 from .folder import read_json, write_json
@@ -105,15 +104,13 @@ def load_snippet(
     """
     if not own and plain is not None:
         return "\n".join(plain_route_lines(plain, location, hub))
-    if architecture is not None and not re.fullmatch(
-        r"[A-Za-z_]\w{0,200}(\.[A-Za-z_]\w{0,200}){0,20}", str(architecture), re.ASCII
-    ):
-        # the name goes into Python code that readers copy and run
-        raise ValueError(f"architecture {architecture!r} is not a class name; re-save the checkpoint")
     lines = family.own_loader(architecture, fmt, location, hub) if own else None
     if lines is None:
         source = f"snapshot_download({literal(location)})" if hub else literal(location)
         template = ", model=MyModel(...)" if family.library == "torch" else ""  # plain models need a template
         download = ["from huggingface_hub import snapshot_download"] if hub else []
-        lines = ["import hf_sms", *download, "", f"model = hf_sms.load_sparse({source}{template})"]
+        lines = ["import hf_sms", *download, ""]
+        if template and architecture is not None and not is_class_name(architecture):  # e.g. a local class
+            lines.append("# the model's class cannot be imported by name: MyModel is a model of your own class")
+        lines.append(f"model = hf_sms.load_sparse({source}{template})")
     return "\n".join(lines)

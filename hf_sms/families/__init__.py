@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..registry import Registry
-from .base import CONFIG_NAME, WEIGHTS_NAME, CheckpointInfo, Family, Knob, literal
+from .base import CONFIG_NAME, WEIGHTS_NAME, CheckpointInfo, Family, Knob, is_class_name, literal
 from .smp import SmpFamily
 from .timm import TimmFamily
 from .torch import TorchFamily
@@ -62,6 +62,7 @@ __all__ = [
     "family_of",
     "family_of_config",
     "get_family",
+    "is_class_name",
     "literal",
     "register_family",
 ]

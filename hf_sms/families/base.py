@@ -16,6 +16,7 @@ Torch is imported where a model is built or saved: reading a folder's files need
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
 
 CONFIG_NAME = "config.json"  # the libraries' config file (transformers, timm's save_for_hf, smp)
 WEIGHTS_NAME = "model.safetensors"
+
+
+def is_class_name(architecture) -> bool:
+    """Whether ``architecture`` is a dotted name a reader's code can import (not ``make.<locals>.C``, a class
+    defined inside a function, nor a crafted string meant to run as code)."""
+    return bool(re.fullmatch(r"[A-Za-z_]\w{0,200}(\.[A-Za-z_]\w{0,200}){0,20}", str(architecture), re.ASCII))
 
 
 def literal(text: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from .base import Family, Knob, literal
+from .base import Family, Knob, is_class_name, literal
 
 
 def _head_size(config) -> int | None:
@@ -145,6 +145,8 @@ class TransformersFamily(Family):
         return model
 
     def own_loader(self, architecture, fmt, location, hub):
+        if not is_class_name(architecture):  # the name goes into Python code that readers copy and run
+            raise ValueError(f"architecture {architecture!r} is not a class name; re-save the checkpoint")
         lines = [
             f"from transformers import {architecture}",
             "",
