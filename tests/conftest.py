@@ -469,3 +469,19 @@ def launch(script, *args, nproc: int = 1, timeout: float = 300, cwd=None) -> str
         pytest.fail(f"{script} ran longer than {timeout} s:\n{proc.stderr[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def smaller_folder(tmp_path_factory):
+    """A Bloom whose FFN its config cannot state, cut in place at 50%: saved with the defaults, ``model.pt2``."""
+    from zoo import _hf, _tokens
+
+    import hf_sms
+
+    model = _hf("BloomForCausalLM", "BloomConfig", vocab_size=64, hidden_size=16, n_layer=2, n_head=2)().eval()
+    x = _tokens()
+    hf_sms.apply_masks(model, hf_sms.compute_masks(model, 0.5, structure="neurons", example_inputs=x))
+    folder = tmp_path_factory.mktemp("bloom") / "small"
+    hf_sms.save_sparse(hf_sms.shrink(model, x, structure="neurons"), str(folder), "dense", example_inputs=x)
+    assert (folder / "model.pt2").is_file()
+    return folder

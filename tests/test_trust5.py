@@ -69,18 +69,6 @@ def _craft(good: str, bad: str, way: str, marker: str) -> None:
                 w.write_bytes(name, data)
 
 
-@pytest.fixture(scope="module")
-def smaller_folder(tmp_path_factory):
-    """A Bloom whose FFN its config cannot state, cut in place at 50%: saved with the defaults, ``model.pt2``."""
-    model = _hf("BloomForCausalLM", "BloomConfig", vocab_size=64, hidden_size=16, n_layer=2, n_head=2)().eval()
-    x = _tokens()
-    hf_sms.apply_masks(model, hf_sms.compute_masks(model, 0.5, structure="neurons", example_inputs=x))
-    folder = tmp_path_factory.mktemp("bloom") / "small"
-    hf_sms.save_sparse(hf_sms.shrink(model, x, structure="neurons"), str(folder), "dense", example_inputs=x)
-    assert (folder / "model.pt2").is_file()
-    return folder
-
-
 def test_the_saved_program_holds_no_pickle_and_the_manifest_covers_it(smaller_folder):
     check_program(str(smaller_folder / "model.pt2"))
     with zipfile.ZipFile(smaller_folder / "model.pt2") as z:

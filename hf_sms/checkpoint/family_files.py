@@ -64,6 +64,7 @@ def plain_route_lines(route: str, location: str, hub: bool) -> list[str]:
         ]
     check = inspect.getsource(program_check.check_program).splitlines()
     return [
+        "import ast",
         "import json",
         "import re",
         "import zipfile",
