@@ -13,16 +13,28 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from torch import nn
 
 # A run must not fail by chance: each property test draws its examples from a seed fixed by its code, the same in CI
 # and here (HYPOTHESIS_PROFILE=explore draws fresh ones, to look for new counterexamples).
-settings.register_profile("fixed", derandomize=True, database=None)
+# (No health check times example generation either: a loaded machine is not a failing property.)
+settings.register_profile(
+    "fixed", derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 ROOT = Path(__file__).parent.parent
+
+
+def finished(out: Path, name: str = "sparsity.json") -> list[Path]:
+    """The files ``name`` of finished results under ``out``: not those in a temporary ``.hf_sms-*`` folder, which a
+    kill can leave mid-write and a resumed run rightly removes."""
+    from hf_sms.checkpoint.constants import TMP_PREFIX
+
+    return sorted(p for p in out.rglob(name) if not any(part.startswith(TMP_PREFIX) for part in p.parts))
+
 
 # Tiny models run faster on one thread than on two fighting ones.
 torch.set_num_threads(1)
@@ -410,6 +422,13 @@ class ForkServer:
         """``returncode``, ``stdout``, ``stderr`` of the script; ``returncode`` None if it ran past ``timeout``.
         ``nproc`` > 1: that many processes with torchrun's variables (rank, world size, a free port), their outputs
         joined in rank order, the first non-zero exit code."""
+        result = self._run(script, argv, cwd, env, timeout, nproc)
+        if nproc > 1 and result.returncode and "address already in use" in result.stderr.lower():
+            # the free port was taken by another test's process between our probe and rank 0's bind: once more
+            result = self._run(script, argv, cwd, env, timeout, nproc)
+        return result
+
+    def _run(self, script, argv, cwd, env, timeout, nproc) -> SimpleNamespace:
         import signal
         import socket
         import tempfile

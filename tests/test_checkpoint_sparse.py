@@ -335,18 +335,19 @@ def test_mask_hash_mismatch_is_detected(t5_dir):
 
 def test_failed_save_leaves_existing_files_intact(tmp_path, monkeypatch):
     model = _pruned(make_resnet())
-    save_sparse(model, str(tmp_path), "dense")
-    (tmp_path / "notes.txt").write_text("mine")
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    folder = tmp_path / "ckpt"  # its parent is this test's own: temporaries of other tests never show
+    save_sparse(model, str(folder), "dense")
+    (folder / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr("hf_sms.checkpoint.codec.encode", boom)
     with pytest.raises(OSError):
-        save_sparse(model, str(tmp_path), "bitmask")
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    assert not [p for p in tmp_path.parent.iterdir() if p.name.startswith(".hf_sms-")]
+        save_sparse(model, str(folder), "bitmask")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf_sms-")]
 
 
 def test_saving_over_a_folder_replaces_weights_and_keeps_other_files(tmp_path):

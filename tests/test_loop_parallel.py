@@ -11,10 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import TOP1_METRIC_SCRIPT, launch, untimed
+from conftest import TOP1_METRIC_SCRIPT, finished, launch, untimed
 from safetensors.torch import load_file
-
-from hf_sms.checkpoint.constants import TMP_PREFIX
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = str(Path(__file__).parent.parent)  # this checkout's hf_sms, whichever one pip installed
@@ -173,16 +171,9 @@ def test_killed_run_resumes_to_the_same_soup(sequential, tmp_path, nproc, marker
     out = tmp_path / "run"
     cmd = _cmd(nproc, "sms_digits.py", out, "--baselines", "imp", "imp_reprune")
     _kill_when(cmd, out / marker)
-    # Finished results only: a kill can land while a track writes its temporary .hf_sms-* folder, which the resumed
-    # run rightly removes.
-    finished = sorted(
-        p.relative_to(out)
-        for p in out.rglob("sparsity.json")
-        if not any(part.startswith(TMP_PREFIX) for part in p.parts)
-    )
-    mtimes = {p: (out / p).stat().st_mtime_ns for p in finished}
+    mtimes = {p: p.stat().st_mtime_ns for p in finished(out)}  # not a temporary folder the kill left mid-write
     _run(cmd)
-    assert all((out / p).stat().st_mtime_ns == t for p, t in mtimes.items()), "a finished replica was retrained"
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items()), "a finished replica was retrained"
     assert not list(out.rglob("*.tmp")) and not list(out.rglob(".hf_sms-*")), "a temporary file was left behind"
     assert _max_diff(_soup(out), _soup(sequential)) <= 1e-6
 

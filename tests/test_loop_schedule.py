@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import launch, untimed
+from conftest import finished, launch, untimed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_loop_parallel import ENV, SCRIPTS, _cmd, _kill_when, _max_diff, _run, _soup
@@ -113,13 +113,14 @@ def test_a_run_killed_mid_round_resumes_without_retraining_to_the_same_numbers(p
     out = tmp_path / "run"
     cmd = _cmd(2, "sms_digits.py", out, *POOL)
     _kill_when(cmd, out / "sms" / "phase2" / "replica0" / "sparsity.json")
-    finished = sorted(str(p.parent.relative_to(out)) for p in out.rglob("sparsity.json"))
-    mtimes = {p: (out / p / "sparsity.json").stat().st_mtime_ns for p in finished}
+    done = [str(p.parent.relative_to(out)) for p in finished(out)]  # not a temporary folder the kill left
+    mtimes = {p: (out / p / "sparsity.json").stat().st_mtime_ns for p in done}
     _run(cmd)
     assert all((out / p / "sparsity.json").stat().st_mtime_ns == t for p, t in mtimes.items()), "a job retrained"
+    assert not list(out.rglob(".hf_sms-*")), "a temporary folder was left behind"
     jobs = json.loads((out / "results.json").read_text())["world"]["jobs"]
     # every finished phase job is loaded (IMP_mx's phases are one job, their folders' mtimes checked above)
-    assert {j["job"] for j in jobs if j.get("resumed")} == {f for f in finished if not f.startswith("imp_mx/")}
+    assert {j["job"] for j in jobs if j.get("resumed")} == {f for f in done if not f.startswith("imp_mx/")}
     _same_run(pooled_one, out)
 
 

@@ -605,7 +605,8 @@ def test_an_index_claiming_a_huge_shape_is_refused_before_anything_is_decoded(tm
         start = time.perf_counter()
         with pytest.raises(ValueError, match=r"claims shape \(1048576, 32768\), but the model's \(32, 16\)"):
             load_sparse(tmp_path / "t5", **kwargs)
-        assert time.perf_counter() - start < 5, kwargs  # refused from the header, not after decoding 2^35 entries
+        # refused from the header, not after decoding 2^35 entries (hours, and 32 GiB): a bound no loaded machine meets
+        assert time.perf_counter() - start < 60, kwargs
 
 
 def test_a_runtime_model_does_not_follow_its_file_unless_mapped_on_request(tmp_path):
