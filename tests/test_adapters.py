@@ -30,7 +30,7 @@ from hf_sms import (
 )
 from hf_sms.adapters import lora, merge_adapters
 from hf_sms.adapters.folders import load_adapter, save_adapter
-from hf_sms.adapters.lora import _GatedLowRank
+from hf_sms.adapters.lora import _GatedLinear
 from hf_sms.adapters.merge import plain_name
 from hf_sms.adapters.replica import make_replica, merged_copy, replica_distances, soup_of_states, trained_state
 from hf_sms.adapters.soup import adapter_soup, build_subset_soup
@@ -97,14 +97,22 @@ def test_gated_low_rank_gradients_are_exact(kind, block, monkeypatch):
         monkeypatch.setattr(lora, "BLOCK", block)
         assert len(lora.row_blocks(torch.zeros(4, 5))) == 4 // (block // 5)
         assert len(lora.row_blocks(torch.zeros(4, 5, device="meta"))) == 1  # blocks on the CPU only
+        assert len(lora.column_blocks(torch.zeros(4, 5))) == -(-5 // (block // 4))
     else:
         monkeypatch.setattr(lora, "row_blocks", lambda w: [slice(None)])
+        monkeypatch.setattr(lora, "column_blocks", lambda w: [slice(None)])
     torch.manual_seed(0)
     x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
     a = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
     b = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 5, dtype=torch.float64) * (torch.rand(4, 5) > 0.5)
-    assert torch.autograd.gradcheck(lambda x, a, b: _GatedLowRank.apply(x, a, b, w, 0.7, kind), (x, a, b))
+    bias = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    for with_base in (False, True):  # the update alone (peft's path), or the layer with its base (the fused one)
+
+        def layer(x, a, b, bias, with_base=with_base):
+            return _GatedLinear.apply(x, w, bias if with_base else None, a, b, 0.7, kind, with_base)
+
+        assert torch.autograd.gradcheck(layer, (x, a, b, bias))
 
 
 @settings(max_examples=25, deadline=None)

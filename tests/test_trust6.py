@@ -170,3 +170,14 @@ def _names(folder):
 
 def _indent(code: str) -> str:
     return "\n".join("    " + line if line else "" for line in code.splitlines())
+
+
+def test_a_transformers_loader_still_refuses_an_architecture_that_is_not_a_class_name():
+    """Its own loader writes the name into code (``from transformers import X``); a plain torch model's does not."""
+    from hf_sms.checkpoint.family_files import load_snippet
+    from hf_sms.families import FAMILIES
+
+    with pytest.raises(ValueError, match="not a class name"):
+        load_snippet(FAMILIES.get("transformers"), "X\nimport os", "dense", "me/r")
+    lines = load_snippet(FAMILIES.get("torch"), "make.<locals>.C", "dense", "me/r").splitlines()
+    assert "model = hf_sms.load_sparse(snapshot_download(\"me/r\"), model=MyModel(...))" in lines

@@ -27,16 +27,9 @@ def gate_of(weight: torch.Tensor, kind: str) -> torch.Tensor:
     return (weight != 0).to(weight.dtype) if kind == "mask" else weight
 
 
-def _gated(product: torch.Tensor, weight: torch.Tensor, kind: str, scaling: float) -> torch.Tensor:
-    """``product * G * s`` in place (the same products in the same order as out of place: the same bits), so a step
-    allocates one dense layer-sized tensor where it would allocate four."""
-    product.mul_(weight != 0 if kind == "mask" else weight.to(product.dtype))
-    return product.mul_(scaling)
-
-
 BLOCK = 1 << 20
-"""Elements of a dense gated product (or a soup's update) made at a time on the CPU (4 MiB in fp32): see
-:class:`_GatedLowRank`."""
+"""Elements of a dense gated product (or a soup's update) made at a time on the CPU (2 MiB in bf16, 4 MiB in fp32):
+see :class:`_GatedLinear`."""
 
 
 def row_blocks(weight: torch.Tensor) -> list[slice]:
@@ -46,40 +39,78 @@ def row_blocks(weight: torch.Tensor) -> list[slice]:
     return [slice(s, min(s + rows, out)) for s in range(0, out, rows)]
 
 
-class _GatedLowRank(torch.autograd.Function):
-    """``x @ (G * (s B A)).T`` with G built from the frozen weight; saves x, A, B and W (already held), not the dense
-    product. On the CPU the dense product is made a block of output rows at a time: glibc serves these layer-sized
-    temporaries from its heap, where the small tensors freed around them fragment it, so a step of whole-layer
-    products grows the process by about a model's bytes that it no longer uses (benchmarks/replica_memory.py)."""
+def column_blocks(weight: torch.Tensor) -> list[slice]:
+    """The input columns of ``weight`` in blocks of at most :data:`BLOCK` elements on the CPU, one block elsewhere."""
+    out, inp = weight.shape
+    cols = inp if weight.device.type != "cpu" else max(1, BLOCK // max(out, 1))
+    return [slice(s, min(s + cols, inp)) for s in range(0, inp, cols)]
+
+
+def _effective(weight, a, b, scaling: float, kind: str, with_base: bool) -> torch.Tensor:
+    """A block of the layer's effective weight in ``weight``'s dtype: ``W + G * (s B A)`` (``with_base``) or the
+    update ``G * (s B A)`` alone, with ``G = (W != 0)`` or ``W``: one small product and two elementwise passes."""
+    a, b = a.to(weight.dtype), b.to(weight.dtype)  # r-sized casts: the dense work runs in the layer's dtype
+    if kind == "mask":  # M * (W + s B A) = W + M * (s B A), since W = M * W
+        out = torch.addmm(weight, b, a, alpha=scaling) if with_base else torch.mm(b, a).mul_(scaling)
+        return out.masked_fill_(weight == 0, 0)
+    out = torch.mm(b, a)  # W * (1 + s B A) = W + s W * (B A)
+    return torch.addcmul(weight, weight, out, value=scaling) if with_base else out.mul_(weight).mul_(scaling)
+
+
+class _GatedLinear(torch.autograd.Function):
+    """``x @ (W + G * (s B A)).T + bias`` (``with_base``; else the update ``x @ (G * (s B A)).T``), with ``G`` built
+    from the frozen weight: full fine-tuning's three dense products (forward, the input's gradient, the update's
+    gradient ``s G * (grad^T x)``) in the layer's dtype, B A's small products beside them, and no optimizer step
+    over the weight. Saves x, A, B and W (already held), never the dense effective weight (rebuilt in backward).
+
+    On the CPU the dense blocks are made a block of output rows (forward) or input columns (backward) at a time, so
+    every dense product is whole within its block (no bf16 sums across blocks) and no layer-sized temporary exists:
+    glibc serves those from its heap, where the small tensors freed around them fragment it, and a step of
+    whole-layer temporaries grows the process by about a model's bytes (benchmarks/replica_memory.py).
+
+    With ``with_base`` the forward sees the effective weight in the layer's dtype, as the merge writes it (a bf16
+    update below half a step of its weight rounds away there as in the merged model); its gradient is exact."""
 
     @staticmethod
-    def forward(ctx, x, a, b, weight, scaling: float, kind: str):
+    def forward(ctx, x, weight, bias, a, b, scaling: float, kind: str, with_base: bool):
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
         ctx.save_for_backward(x, a, b, weight)
-        ctx.scaling, ctx.kind = scaling, kind
+        ctx.scaling, ctx.kind, ctx.with_base, ctx.dtype = scaling, kind, with_base, dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         blocks = row_blocks(weight)
-        if len(blocks) == 1:
-            return x @ _gated(b @ a, weight, kind, scaling).T
-        out = x.new_empty(*x.shape[:-1], weight.shape[0])
+        out = x2.new_empty(x2.shape[0], weight.shape[0]) if len(blocks) > 1 else None
         for rows in blocks:
-            out[..., rows] = x @ _gated(b[rows] @ a, weight[rows], kind, scaling).T
-        return out
+            part = x2 @ _effective(weight[rows], a, b[rows], scaling, kind, with_base).to(dtype).T
+            if out is None:
+                out = part
+            else:
+                out[:, rows] = part
+        if bias is not None and with_base:
+            out += bias.to(dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, a, b, weight = ctx.saved_tensors
-        grad = grad.to(a.dtype)  # under autocast the incoming gradient may be half precision
-        grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(a.dtype)
-        grad_x = x2.new_zeros(x2.shape) if ctx.needs_input_grad[0] else None
-        grad_a, grad_b = torch.zeros_like(a), torch.empty_like(b)
-        for rows in row_blocks(weight):
-            if grad_x is not None:
-                grad_x.addmm_(grad2[:, rows], _gated(b[rows] @ a, weight[rows], ctx.kind, ctx.scaling))
-            # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension
-            g = _gated(grad2[:, rows].T @ x2, weight[rows], ctx.kind, ctx.scaling)
-            grad_b[rows] = g @ a.T
-            grad_a.addmm_(b[rows].T, g)
-        grad_x = grad_x.reshape(x.shape).to(x.dtype) if grad_x is not None else None
-        return grad_x, grad_a, grad_b, None, None, None
+        dtype, scaling, kind = ctx.dtype, ctx.scaling, ctx.kind
+        grad2, x2 = grad.reshape(-1, grad.shape[-1]).to(dtype), x.reshape(-1, x.shape[-1]).to(dtype)
+        need_x = ctx.needs_input_grad[0]
+        grad_x = x2.new_empty(x2.shape) if need_x else None
+        grad_a, grad_b = torch.empty_like(a), torch.zeros_like(b)
+        for cols in column_blocks(weight):
+            w = weight[:, cols]
+            if need_x:
+                grad_x[:, cols] = grad2 @ _effective(w, a[:, cols], b, scaling, kind, ctx.with_base).to(dtype)
+            # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension: whole within the block
+            g = grad2.T @ x2[:, cols]
+            g = g.masked_fill_(w == 0, 0) if kind == "mask" else g.mul_(w.to(dtype))
+            g.mul_(scaling)
+            grad_b += (g @ a[:, cols].T.to(dtype)).to(b.dtype)
+            grad_a[:, cols] = b.T.to(dtype) @ g
+        grad_bias = grad2.sum(0).to(ctx.bias_dtype) if ctx.with_base and ctx.needs_input_grad[2] else None
+        grad_x = grad_x.reshape(x.shape).to(x.dtype) if need_x else None
+        return grad_x, None, grad_bias, grad_a, grad_b, None, None, None
 
 
 class _GatedVariant(LoraVariant):
@@ -118,7 +149,7 @@ class _GatedVariant(LoraVariant):
         a, b = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
         weight = module.get_base_layer().weight
         x = module.lora_dropout[active_adapter](x)
-        update = _GatedLowRank.apply(x, a, b, weight, module.scaling[active_adapter], cls.kind)
+        update = _GatedLinear.apply(x, weight, None, a, b, module.scaling[active_adapter], cls.kind, False)
         return result + update.to(result.dtype)
 
     def supports_lora_conversion(self) -> bool:
@@ -140,6 +171,21 @@ class MaskLoraLinear(LoraLinear):
 
     def resolve_lora_variant(self, *, config, **kwargs):
         return self.variant()
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """One adapter, no dropout, not merged: the base and the update as one product with the effective weight
+        (:class:`_GatedLinear`), not the base layer's product plus the update's; peft's path otherwise."""
+        adapters = [n for n in self.active_adapters if n in self.lora_A]
+        base = self.get_base_layer()
+        if (
+            args or kwargs or self.disable_adapters or self.merged or len(adapters) != 1
+            or not isinstance(self.lora_dropout[adapters[0]], nn.Identity) or type(base) is not nn.Linear
+            or base.weight.requires_grad
+        ):  # fmt: skip
+            return super().forward(x, *args, **kwargs)
+        (name,) = adapters
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        return _GatedLinear.apply(x, base.weight, base.bias, a, b, self.scaling[name], self.variant.kind, True)
 
     def get_delta_weight(self, adapter) -> torch.Tensor:
         return self.variant.delta(self, adapter, self.get_base_layer().weight)
