@@ -180,4 +180,4 @@ def test_a_transformers_loader_still_refuses_an_architecture_that_is_not_a_class
     with pytest.raises(ValueError, match="not a class name"):
         load_snippet(FAMILIES.get("transformers"), "X\nimport os", "dense", "me/r")
     lines = load_snippet(FAMILIES.get("torch"), "make.<locals>.C", "dense", "me/r").splitlines()
-    assert "model = hf_sms.load_sparse(snapshot_download(\"me/r\"), model=MyModel(...))" in lines
+    assert 'model = hf_sms.load_sparse(snapshot_download("me/r"), model=MyModel(...))' in lines
