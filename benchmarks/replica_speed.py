@@ -37,9 +37,8 @@ dtype = torch.bfloat16 if s["dtype"] == "bf16" else torch.float32
 torch.set_default_dtype(dtype)
 config = LlamaConfig(vocab_size=512, hidden_size=4096, intermediate_size=11008, num_hidden_layers=1,
                      num_attention_heads=32, num_key_value_heads=32, pad_token_id=0)
-with torch.device("meta"):
-    model = LlamaForCausalLM(config)
-model.load_state_dict(load_file(s["start"]), assign=True)
+model = LlamaForCausalLM(config)  # its buffers (rotary frequencies) as built; its weights the pruned start's
+model.load_state_dict(load_file(s["start"]))
 torch.set_default_dtype(torch.float32)
 g = torch.Generator().manual_seed(0)
 seq = s["tokens"] // 2
@@ -66,7 +65,7 @@ if kind in ("trainer", "peft_lora"):
 else:
     from hf_sms import SparseSoupConfig, SparseSoupTrainer
     args = SparseSoupConfig(**common, target_sparsity=0.5, replica_params=kind, lora_rank=16, lora_alpha=32,
-                            retrain_schedule="ft")
+                            retrain_schedule="llr")
     trainer = SparseSoupTrainer(model, args, train_dataset=rows, callbacks=[Clock()])
 trainer.train()
 times = Clock.times[s["warmup"]:]

@@ -181,3 +181,50 @@ def test_a_transformers_loader_still_refuses_an_architecture_that_is_not_a_class
         load_snippet(FAMILIES.get("transformers"), "X\nimport os", "dense", "me/r")
     lines = load_snippet(FAMILIES.get("torch"), "make.<locals>.C", "dense", "me/r").splitlines()
     assert 'model = hf_sms.load_sparse(snapshot_download("me/r"), model=MyModel(...))' in lines
+
+
+def _bf16_soup(tmp_path, kind, dtype, replicas=2):
+    """A tiny LLaMA built in ``dtype``, pruned to 50%, one phase of ``kind`` replicas at PERP's lr 5e-4 (AdamW): 24
+    steps, enough for a norm weight of 1.0 to move past half a bf16 step (2**-9) in float32."""
+    from zoo import _hf
+
+    from hf_sms import SparseSoupConfig
+    from hf_sms.evaluation.metrics import NegativePerplexity
+
+    torch.set_default_dtype(dtype)
+    try:
+        model = _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=64, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)()  # fmt: skip
+    finally:
+        torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": (x := torch.randint(1, 64, (8,), generator=g)), "labels": x.clone()} for _ in range(24)]
+    args = SparseSoupConfig(output_dir=str(tmp_path / f"{kind}-{dtype}"), target_sparsity=0.5, n_phases=1,
+                            num_replicas=replicas, max_steps=24, per_device_train_batch_size=4, learning_rate=5e-4,
+                            optim="adamw_torch", report_to="none", use_cpu=True, replica_params=kind,
+                            measure_speedup=False, disable_tqdm=True, lora_rank=2, retrain_schedule="llr")  # fmt: skip
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    soup, _ = run_sms(model, args, rows[:16], NegativePerplexity(), eval_dataset=rows[16:20], test_dataset=rows[20:])
+    return start, soup, args
+
+
+@pytest.mark.parametrize("kind", ["bias_norm", "mask_lora_norms"])
+def test_norms_of_a_bf16_base_train_as_on_fp32_and_soup_rounded_once(tmp_path, kind):
+    """Issue 53 item 4: at lr 5e-4 a bf16 norm weight of 1.0 moves by under half a bf16 step per AdamW step, so 0 of
+    the norm entries moved; float32 master copies train them, and the soup is their float32 mean rounded once."""
+    from safetensors.torch import load_file
+
+    start, soup, args = _bf16_soup(tmp_path, kind, torch.bfloat16)
+    norms = [n for n in start if "norm" in n]
+    total = sum(start[n].numel() for n in norms)
+    phase = tmp_path / f"{kind}-{torch.bfloat16}" / "sms" / "phase1"
+    states = [load_file(str(phase / f"replica{i}" / "replica.safetensors")) for i in range(2)]
+    for state in states:  # each replica's norms trained, in float32, as on an fp32 base
+        assert all(state[n].dtype == torch.float32 for n in norms)
+        assert sum(int((state[n] != start[n].float()).sum()) for n in norms) >= 0.9 * total
+    for n in norms:  # the soup: their float32 mean, rounded once into bf16
+        assert torch.equal(soup.state_dict()[n], ((states[0][n].double() + states[1][n].double()) / 2).bfloat16())
+    # and the bf16 soup holds the moves past half a bf16 step (before: none of the entries moved, whatever the steps)
+    assert sum(int((soup.state_dict()[n] != start[n]).sum()) for n in norms) > 0.2 * total
+    start, fp32_soup, _ = _bf16_soup(tmp_path, kind, torch.float32)  # the fp32 base, for comparison
+    assert sum(int((fp32_soup.state_dict()[n] != start[n]).sum()) for n in norms) >= 0.9 * total

@@ -20,6 +20,7 @@ from peft import inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from ..master_weights import HALF, MASTER, master_of
 from ..pruning.prunable import prunable_tensors
 from ..registry import REPLICA_PARAMS, SOUPS
 from ..seeding import derive_seed
@@ -178,7 +179,7 @@ def make_replica(start: nn.Module, args) -> nn.Module:
 
 def trained_state(replica: nn.Module) -> State:
     """What a subset replica trained: ``{name: tensor}`` of its trainable parameters (detached, this device)."""
-    return {n: p.detach() for n, p in replica.named_parameters() if p.requires_grad}
+    return {n: master_of(p).detach() for n, p in replica.named_parameters() if p.requires_grad}
 
 
 def load_trained_state(replica: nn.Module, state: State) -> None:
@@ -189,6 +190,8 @@ def load_trained_state(replica: nn.Module, state: State) -> None:
     with torch.no_grad():
         for name, t in state.items():
             params[name].copy_(t)
+            if t.dtype != params[name].dtype and params[name].dtype in HALF:  # a float32 master copy, kept
+                setattr(params[name], MASTER, t.float().clone())
 
 
 def lora_layers(model: nn.Module):

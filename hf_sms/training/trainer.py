@@ -29,6 +29,7 @@ from ..checkpoint.constants import MASKS_NAME
 from ..checkpoint.trainer_card import merge_trainer_card, read_card
 from ..checkpoint.trainer_masks import load_pruning_step, save_masks
 from ..families import family_of
+from ..master_weights import MasterWeightsCallback
 from ..pruning.enforcement import ExactMasking, MaskEnforcer, MaskingPolicy, unwrap_optimizer
 from ..pruning.masks import PruningStep, apply_masks, is_sharded
 from ..pruning.prunable import Masks
@@ -174,6 +175,7 @@ class SparseSoupMixin:
             apply_masks(self.model, step.masks)
         self._bind(step.masks)
         self.add_callback(_MaskCallback(self))
+        self.add_callback(MasterWeightsCallback(self))  # bf16 norms and biases train (float32 copies)
 
     def _example_batch(self):
         """Two training items through the collator (units are found by tracing a batch), or None."""
