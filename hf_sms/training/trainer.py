@@ -174,8 +174,8 @@ class SparseSoupMixin:
         if self.masking.zeroes_at_start:  # DPF keeps the dense values it was handed
             apply_masks(self.model, step.masks)
         self._bind(step.masks)
-        self.add_callback(_MaskCallback(self))
-        self.add_callback(MasterWeightsCallback(self))  # bf16 norms and biases train (float32 copies)
+        for callback in (_MaskCallback(self), MasterWeightsCallback(self)):  # masks; bf16 norms in float32
+            self.add_callback(callback)
 
     def _example_batch(self):
         """Two training items through the collator (units are found by tracing a batch), or None."""
@@ -252,7 +252,6 @@ class SparseSoupMixin:
             return [name for name, _ in model.named_parameters()]
         return super().get_decay_parameter_names(model)
 
-    # -- retraining schedule ------------------------------------------------------------------------
     def _retrain_epochs(self, num_training_steps: int) -> float:
         args = self.args
         try:
@@ -301,7 +300,6 @@ class SparseSoupMixin:
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
-    # -- logging, saving, resuming -----------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs["weight_sparsity"] = round(self.masking.sparsity(), 6)  # achieved: pruned weights / maskable
         super().log(logs, start_time)
