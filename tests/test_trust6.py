@@ -228,3 +228,69 @@ def test_norms_of_a_bf16_base_train_as_on_fp32_and_soup_rounded_once(tmp_path, k
     assert sum(int((soup.state_dict()[n] != start[n]).sum()) for n in norms) > 0.2 * total
     start, fp32_soup, _ = _bf16_soup(tmp_path, kind, torch.float32)  # the fp32 base, for comparison
     assert sum(int((fp32_soup.state_dict()[n] != start[n]).sum()) for n in norms) >= 0.9 * total
+
+
+@pytest.mark.parametrize(
+    ("kind", "targets", "match"),
+    [("mask_lora", ["lm_head"], "tied to"), ("mask_lora", ["embed_tokens"], "cannot adapt under a mask"),
+     ("bias_norm", None, "trains nothing")],
+)  # fmt: skip
+def test_subset_replicas_that_could_never_soup_are_refused_before_training(tmp_path, kind, targets, match):
+    """Item 3: a tied lm_head or an embedding trained every replica, then the soup raised a raw KeyError; bias_norm
+    on a model with neither biases nor norms: "element 0 of tensors does not require grad"."""
+    from zoo import _hf
+
+    from hf_sms import SparseSoupConfig, SparseSoupTrainer
+
+    if kind == "bias_norm":
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 8, bias=False), torch.nn.ReLU(), torch.nn.Linear(8, 2, bias=False)
+        )
+    else:
+        model = _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=64, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                    tie_word_embeddings=True)()  # fmt: skip
+    args = SparseSoupConfig(output_dir=str(tmp_path), target_sparsity=0.5, replica_params=kind, lora_rank=2,
+                            lora_target_modules=targets, max_steps=1, report_to="none", use_cpu=True)  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        SparseSoupTrainer(model, args)
+
+
+def _remote_code_lm():
+    """A causal LM as remote code writes one: its own class names, a LLaMA decoder and an LM head."""
+    from transformers import GenerationMixin, LlamaConfig, LlamaModel, LlamaPreTrainedModel
+
+    class MyDecoderLM(LlamaPreTrainedModel, GenerationMixin):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = LlamaModel(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, input_ids=None, **kwargs):
+            return self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    return MyDecoderLM(config)
+
+
+def test_a_subclass_or_remote_code_causal_lm_gets_the_causal_lm_default():
+    """Issue 53 item 9: the default looked up the class name, so these pruned their embeddings and LM head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_sms
+
+    class MyLlama(LlamaForCausalLM):
+        pass
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    for model in (MyLlama(config), _remote_code_lm()):
+        hf_sms.prune(model, 0.5)
+        dense = {n for n, p in model.named_parameters() if p.dim() > 1 and bool((p != 0).all())}
+        assert dense == {"model.embed_tokens.weight", "lm_head.weight"}, (type(model).__name__, dense)

@@ -47,18 +47,19 @@ def column_blocks(weight: torch.Tensor) -> list[slice]:
 
 
 def _gate(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """``G`` for a block of the frozen weight: ``M = |sign(W)|`` (exactly 0 or 1, and one vectorised pass where
-    ``W != 0`` is a slow comparison in bf16 on the CPU) or ``W`` itself."""
+    """``G`` for a block of the frozen weight (contiguous: strided elementwise kernels are several times slower):
+    ``M = |sign(W)|`` (exactly 0 or 1, in one vectorised pass where ``W != 0`` is a slow bf16 comparison on the
+    CPU) or ``W`` itself."""
     return weight.sign().abs_() if kind == "mask" else weight
 
 
-def _effective(weight, a, b, scaling: float, kind: str, with_base: bool) -> torch.Tensor:
-    """A block of the layer's effective weight in ``weight``'s dtype: ``W + G * (s B A)`` (``with_base``) or the
-    update ``G * (s B A)`` alone: one small product and one or two elementwise passes."""
-    a, b = a.to(weight.dtype), b.to(weight.dtype)  # r-sized casts: the dense work runs in the layer's dtype
+def _effective(weight, gate, a, b, scaling: float, kind: str, with_base: bool) -> torch.Tensor:
+    """A block of the layer's effective weight: ``W + G * (s B A)`` (``with_base``) or the update ``G * (s B A)``
+    alone, from the block's ``weight`` and ``gate`` (``a`` and ``b`` already in their dtype): one small product and
+    one elementwise pass."""
     if kind == "mask":  # M * (W + s B A) = W + M * (s B A), since W = M * W
         out = torch.addmm(weight, b, a, alpha=scaling) if with_base else torch.mm(b, a).mul_(scaling)
-        return out.mul_(_gate(weight, kind))
+        return out.mul_(gate)
     out = torch.mm(b, a)  # W * (1 + s B A) = W + s W * (B A)
     return torch.addcmul(weight, weight, out, value=scaling) if with_base else out.mul_(weight).mul_(scaling)
 
@@ -86,8 +87,10 @@ class _GatedLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         blocks = row_blocks(weight)
         out = x2.new_empty(x2.shape[0], weight.shape[0]) if len(blocks) > 1 else None
+        a_, b_ = a.to(weight.dtype), b.to(weight.dtype)  # r-sized casts: the dense work runs in the layer's dtype
         for rows in blocks:
-            part = x2 @ _effective(weight[rows], a, b[rows], scaling, kind, with_base).to(dtype).T
+            w = weight[rows]
+            part = x2 @ _effective(w, _gate(w, kind), a_, b_[rows], scaling, kind, with_base).to(dtype).T
             if out is None:
                 out = part
             else:
@@ -104,14 +107,16 @@ class _GatedLinear(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         grad_x = x2.new_empty(x2.shape) if need_x else None
         grad_a, grad_b = torch.empty_like(a), torch.zeros_like(b)
+        a_, b_ = a.to(weight.dtype), b.to(weight.dtype)
         for cols in column_blocks(weight):
-            w = weight[:, cols]
+            w = weight[:, cols].contiguous()  # one copy of the block, then every pass over it contiguous
+            gate = _gate(w, kind)  # once for both uses
             if need_x:
-                grad_x[:, cols] = grad2 @ _effective(w, a[:, cols], b, scaling, kind, ctx.with_base).to(dtype)
+                grad_x[:, cols] = grad2 @ _effective(w, gate, a_[:, cols], b_, scaling, kind, ctx.with_base).to(dtype)
             # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension: whole within the block
-            g = (grad2.T @ x2[:, cols]).mul_(_gate(w, kind).to(dtype))  # s is applied to the small products
-            grad_b.add_((g @ a[:, cols].T.to(dtype)).to(b.dtype), alpha=scaling)
-            grad_a[:, cols] = (b.T.to(dtype) @ g).to(a.dtype).mul_(scaling)
+            g = (grad2.T @ x2[:, cols]).mul_(gate.to(dtype))  # s is applied to the small products
+            grad_b.add_((g @ a_[:, cols].T.to(dtype)).to(b.dtype), alpha=scaling)
+            grad_a[:, cols] = (b_.T.to(dtype) @ g).to(a.dtype).mul_(scaling)
         grad_bias = grad2.sum(0).to(ctx.bias_dtype) if ctx.with_base and ctx.needs_input_grad[2] else None
         grad_x = grad_x.reshape(x.shape).to(x.dtype) if need_x else None
         return grad_x, None, grad_bias, grad_a, grad_b, None, None, None

@@ -25,7 +25,7 @@ from ..pruning.prunable import prunable_tensors
 from ..registry import REPLICA_PARAMS, SOUPS
 from ..seeding import derive_seed
 from ..soup.averaging import average_tensors
-from .lora import gate_of, lora_config, row_blocks
+from .lora import LAYERS, gate_of, lora_config, row_blocks
 from .merge import merge_adapters, plain_name
 
 State = dict[str, torch.Tensor]
@@ -115,6 +115,13 @@ for _kind, _what in (("mask_lora", "MaskLoRA adapters W + M*(BA)"), ("scale_lora
         ReplicaParams(adapters=_kind, trains=_norm, description=f"{_what} on the prunable linears and the norms"),
         check=check_subset,
     )
+    REPLICA_PARAMS.add(  # PERP's default: the adapters, the biases and the norms
+        f"{_kind}_bias_norm",
+        ReplicaParams(
+            adapters=_kind, trains=_bias_or_norm, description=f"{_what} on the prunable linears, biases and norms"
+        ),
+        check=check_subset,
+    )
 
 
 def kind_of(args) -> ReplicaParams:
@@ -153,6 +160,11 @@ def make_replica(start: nn.Module, args) -> nn.Module:
     replica = copy.deepcopy(start, memo)
     replica.hf_sms_replica = True  # SparseSoupMixin trains it as it is (no replica of a replica)
     if kind.adapters is None:
+        if len(frozen) == len(dict(start.named_parameters(remove_duplicate=False))):
+            raise ValueError(
+                f"replica_params={args.replica_params!r} trains nothing in {type(start).__name__}: it has no "
+                f"parameter that kind selects ({kind.description}); use replica_params='mask_lora' or 'all'"
+            )
         for name, p in replica.named_parameters():
             p.requires_grad_(name not in frozen)
         return replica
@@ -168,6 +180,7 @@ def make_replica(start: nn.Module, args) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(getattr(args, "seed", 0), "lora"))
         replica = inject_adapter_in_model(config, replica)
+    _check_adapted(start, replica, args)
     for name, p in replica.named_parameters():
         if ".lora_" in name:  # peft keeps adapters in the base's dtype: fp32 for the optimizer's sake
             if p.dtype in (torch.float16, torch.bfloat16):
@@ -175,6 +188,28 @@ def make_replica(start: nn.Module, args) -> nn.Module:
         elif plain_name(name) not in frozen:  # the norms a "_norms" kind trains too (peft froze them)
             p.requires_grad_(True)
     return replica
+
+
+def _check_adapted(start: nn.Module, replica: nn.Module, args) -> None:
+    """Refuse, before any training, adapted layers a soup cannot take: a layer peft adapts with its own LoRA (an
+    embedding: no mask on its update), or one whose weight is tied to another (an lm_head tied to the embeddings:
+    its update would have to move both)."""
+    names = {}
+    for name, p in start.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    weights = {n: p for n, p in start.named_parameters(remove_duplicate=False)}
+    for name, layer in lora_layers(replica):
+        if not isinstance(layer, tuple(LAYERS.values())):
+            raise ValueError(
+                f"lora_target_modules adapts {name} ({type(layer.get_base_layer()).__name__}), which "
+                f"{args.replica_params} cannot adapt under a mask (it adapts linear layers): leave it out"
+            )
+        tied = [n for n in names.get(id(weights.get(f"{name}.weight")), []) if n != f"{name}.weight"]
+        if tied:
+            raise ValueError(
+                f"lora_target_modules adapts {name}, whose weight is tied to {tied}: a soup of its adapters would "
+                "have to move both; leave it out (or untie the weights)"
+            )
 
 
 def trained_state(replica: nn.Module) -> State:

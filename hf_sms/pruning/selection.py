@@ -31,13 +31,22 @@ def matches(modules: Modules, name: str) -> bool:
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """A transformers causal language model (any of ``AutoModelForCausalLM``'s classes), peft-wrapped or not."""
+    """A transformers causal language model, peft-wrapped or not: one of ``AutoModelForCausalLM``'s classes or a
+    subclass of one, or by what it can do (a remote-code model): a decoder-only model that generates through an
+    output embedding (its LM head)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
+        from transformers import PreTrainedModel
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:  # pragma: no cover - transformers is a dependency
         return False
-    return type(inner).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if any(cls.__name__ in known for cls in type(inner).__mro__):
+        return True
+    if not isinstance(inner, PreTrainedModel) or getattr(inner.config, "is_encoder_decoder", False):
+        return False
+    can_generate = getattr(inner, "can_generate", lambda: False)
+    return bool(can_generate()) and isinstance(inner.get_output_embeddings(), nn.Linear)
 
 
 def _embedding_weights(model: nn.Module) -> set[int]:

@@ -231,8 +231,9 @@ class SparseSoupArguments:
     replica_params: str = field(
         default="all",
         metadata={
-            "help": "What a replica trains: all, bias_norm, mask_lora, scale_lora, or mask_lora_norms / "
-            "scale_lora_norms (the adapters and the norm weights; docs/replicas.md)."
+            "help": "What a replica trains: all, bias_norm, mask_lora, scale_lora, mask_lora_norms / "
+            "scale_lora_norms (the adapters and the norm weights), or mask_lora_bias_norm / scale_lora_bias_norm "
+            "(the adapters, biases and norms: PERP's default; docs/replicas.md)."
         },
     )
     lora_rank: int = field(default=16, metadata={"help": "Rank of mask_lora / scale_lora adapters."})
