@@ -60,6 +60,7 @@ class Timeline(logging.Handler):
 
 
 logging.getLogger("hf_sms").addHandler(Timeline())
+logging.getLogger("hf_sms").setLevel(logging.INFO)  # hf-sms sets it only where no handler is installed
 
 
 class Clock(TrainerCallback):
@@ -100,14 +101,14 @@ soup, results = run_sms(model, args, rows[:16], NegativePerplexity(), eval_datas
 show("run_sms returned (soup saved)")
 sms_peak = peak()
 print(f"hf-sms mask_lora seconds per step (each replica's {cli.steps}): {[round(t, 1) for t in clock.times]}")
+targets = lora_targets(soup, args.plan)  # the linear layers the run prunes (and MaskLoRA adapts)
 modules = dict(soup.named_modules())
-weights = [modules[n].weight for n in lora_targets(soup)]
+weights = [modules[n].weight for n in targets]
 zero = sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
 print(f"soup: {zero:.4f} of the decoder's linear weights are zero (measured on the soup)")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
-targets = lora_targets(soup)
 lora = get_peft_model(soup, LoraConfig(r=16, lora_alpha=32, target_modules=targets, bias="none"))
 clock_lora = Clock()
 plain = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=cli.steps, per_device_train_batch_size=2,

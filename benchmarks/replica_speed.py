@@ -58,8 +58,10 @@ kind = s["kind"]
 if kind in ("trainer", "peft_lora"):
     if kind == "peft_lora":
         from peft import LoraConfig, get_peft_model
+        from hf_sms import SparseSoupConfig
         from hf_sms.adapters.replica import lora_targets
-        targets = lora_targets(model, None)
+        plan = SparseSoupConfig(output_dir=s["out"], target_sparsity=0.5, use_cpu=True).plan
+        targets = lora_targets(model, plan)  # the layers mask_lora adapts: the decoder's linears, not lm_head
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, bias="none"))
     trainer = Trainer(model, TrainingArguments(**common), train_dataset=rows, callbacks=[Clock()])
 else:

@@ -416,7 +416,7 @@ def test_elementwise_scores_select_what_materialized_scores_select(sizes, frac, 
     the one of the scores computed in full (ties included: rounded weights repeat values), across chunk edges."""
     from unittest import mock
 
-    from hf_sms.pruning import select
+    from hf_sms.pruning import top_k as select
 
     g = torch.Generator().manual_seed(seed)
     weights = [(torch.randn(n, generator=g) * 4).round() / 4 for n in sizes]

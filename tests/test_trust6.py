@@ -294,3 +294,44 @@ def test_a_subclass_or_remote_code_causal_lm_gets_the_causal_lm_default():
         hf_sms.prune(model, 0.5)
         dense = {n for n, p in model.named_parameters() if p.dim() > 1 and bool((p != 0).all())}
         assert dense == {"model.embed_tokens.weight", "lm_head.weight"}, (type(model).__name__, dense)
+
+
+class _Two(torch.nn.Module):
+    def __init__(self, empty: bool = False):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+        self.empty = torch.nn.Linear(0, 4) if empty else None
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def test_pruning_inputs_that_went_wrong_are_refused_or_handled():
+    """Item 5: NaN weights were ranked above every weight (and the run later blamed training); ERK with a
+    zero-size layer raised ZeroDivisionError; neurons with a skipped reader raised KeyError 'fc2.weight'."""
+    import hf_sms
+
+    torch.manual_seed(0)
+    model = _Two()
+    with torch.no_grad():
+        model.fc2.weight[3, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"fc2.weight holds NaN or infinite values before pruning"):
+        hf_sms.compute_masks(model, 0.5)
+    masks = hf_sms.compute_masks(_Two(empty=True), 0.5, allocation="erk")
+    assert masks["empty.weight"].numel() == 0 and 0.45 < 1 - float(masks["fc2.weight"].float().mean()) < 0.7
+    x = torch.randn(2, 8)
+    masks = hf_sms.compute_masks(_Two(), 0.5, structure="neurons", skip_modules=["fc3"], example_inputs=x)
+    assert int((~masks["fc1.weight"]).sum()) == 8 * 8 and "fc3.weight" not in masks  # fc2 keeps its neurons
+    with pytest.raises(ValueError, match="prune_modules / skip_modules leave dense"):
+        hf_sms.compute_masks(_Two(), 0.5, structure="neurons", skip_modules=["fc2"], example_inputs=x)
+
+
+def test_compute_masks_gives_a_dict_whose_edits_stick():
+    """Item 6: it returned a read-only mapping that unpacked a new tensor on every access."""
+    import hf_sms
+
+    masks = hf_sms.compute_masks(_Two(), 0.5)
+    assert type(masks) is dict
+    masks["fc1.weight"].fill_(True)
+    masks["fc2.weight"] = torch.zeros(16, 16, dtype=torch.bool)
+    assert bool(masks["fc1.weight"].all()) and not bool(masks["fc2.weight"].any())

@@ -36,7 +36,7 @@ def save_adapter(model: nn.Module, folder: str) -> None:
         )
     config = model.peft_config["default"]
     kinds = {getattr(type(m), "variant", None) for m in inner.modules() if hasattr(m, "lora_A")}
-    kind = next((k.kind + "_lora" for k in kinds if k is not None), "lora")
+    kind = next((k.gating + "_lora" for k in kinds if k is not None), "lora")
     state = get_peft_model_state_dict(model, save_embedding_layers=False)
     with atomic_folder(folder, "replace") as tmp:
         config.save_pretrained(tmp)

@@ -22,9 +22,9 @@ from peft.tuners.lora.layer import LoraVariant
 from torch import nn
 
 
-def gate_of(weight: torch.Tensor, kind: str) -> torch.Tensor:
+def gate_of(weight: torch.Tensor, gating: str) -> torch.Tensor:
     """``M = (W != 0)`` for ``"mask"``, ``W`` for ``"scale"`` (in ``weight``'s dtype)."""
-    return (weight != 0).to(weight.dtype) if kind == "mask" else weight
+    return (weight != 0).to(weight.dtype) if gating == "mask" else weight
 
 
 BLOCK = 1 << 20
@@ -46,18 +46,18 @@ def column_blocks(weight: torch.Tensor) -> list[slice]:
     return [slice(s, min(s + cols, inp)) for s in range(0, inp, cols)]
 
 
-def _gate(weight: torch.Tensor, kind: str) -> torch.Tensor:
+def _gate(weight: torch.Tensor, gating: str) -> torch.Tensor:
     """``G`` for a block of the frozen weight (contiguous: strided elementwise kernels are several times slower):
     ``M = |sign(W)|`` (exactly 0 or 1, in one vectorised pass where ``W != 0`` is a slow bf16 comparison on the
     CPU) or ``W`` itself."""
-    return weight.sign().abs_() if kind == "mask" else weight
+    return weight.sign().abs_() if gating == "mask" else weight
 
 
-def _effective(weight, gate, a, b, scaling: float, kind: str, with_base: bool) -> torch.Tensor:
+def _effective(weight, gate, a, b, scaling: float, gating: str, with_base: bool) -> torch.Tensor:
     """A block of the layer's effective weight: ``W + G * (s B A)`` (``with_base``) or the update ``G * (s B A)``
     alone, from the block's ``weight`` and ``gate`` (``a`` and ``b`` already in their dtype): one small product and
     one elementwise pass."""
-    if kind == "mask":  # M * (W + s B A) = W + M * (s B A), since W = M * W
+    if gating == "mask":  # M * (W + s B A) = W + M * (s B A), since W = M * W
         out = torch.addmm(weight, b, a, alpha=scaling) if with_base else torch.mm(b, a).mul_(scaling)
         return out.mul_(gate)
     out = torch.mm(b, a)  # W * (1 + s B A) = W + s W * (B A)
@@ -79,10 +79,10 @@ class _GatedLinear(torch.autograd.Function):
     update below half a step of its weight rounds away there as in the merged model); its gradient is exact."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, a, b, scaling: float, kind: str, with_base: bool):
+    def forward(ctx, x, weight, bias, a, b, scaling: float, gating: str, with_base: bool):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
         ctx.save_for_backward(x, a, b, weight)
-        ctx.scaling, ctx.kind, ctx.with_base, ctx.dtype = scaling, kind, with_base, dtype
+        ctx.scaling, ctx.gating, ctx.with_base, ctx.dtype = scaling, gating, with_base, dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         blocks = row_blocks(weight)
@@ -90,7 +90,7 @@ class _GatedLinear(torch.autograd.Function):
         a_, b_ = a.to(weight.dtype), b.to(weight.dtype)  # r-sized casts: the dense work runs in the layer's dtype
         for rows in blocks:
             w = weight[rows]
-            part = x2 @ _effective(w, _gate(w, kind), a_, b_[rows], scaling, kind, with_base).to(dtype).T
+            part = x2 @ _effective(w, _gate(w, gating), a_, b_[rows], scaling, gating, with_base).to(dtype).T
             if out is None:
                 out = part
             else:
@@ -102,7 +102,7 @@ class _GatedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, a, b, weight = ctx.saved_tensors
-        dtype, scaling, kind = ctx.dtype, ctx.scaling, ctx.kind
+        dtype, scaling, gating = ctx.dtype, ctx.scaling, ctx.gating
         grad2, x2 = grad.reshape(-1, grad.shape[-1]).to(dtype), x.reshape(-1, x.shape[-1]).to(dtype)
         need_x = ctx.needs_input_grad[0]
         grad_x = x2.new_empty(x2.shape) if need_x else None
@@ -110,9 +110,9 @@ class _GatedLinear(torch.autograd.Function):
         a_, b_ = a.to(weight.dtype), b.to(weight.dtype)
         for cols in column_blocks(weight):
             w = weight[:, cols].contiguous()  # one copy of the block, then every pass over it contiguous
-            gate = _gate(w, kind)  # once for both uses
+            gate = _gate(w, gating)  # once for both uses
             if need_x:
-                grad_x[:, cols] = grad2 @ _effective(w, gate, a_[:, cols], b_, scaling, kind, ctx.with_base).to(dtype)
+                grad_x[:, cols] = grad2 @ _effective(w, gate, a_[:, cols], b_, scaling, gating, ctx.with_base).to(dtype)
             # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension: whole within the block
             g = (grad2.T @ x2[:, cols]).mul_(gate.to(dtype))  # s is applied to the small products
             grad_b.add_((g @ a_[:, cols].T.to(dtype)).to(b.dtype), alpha=scaling)
@@ -123,42 +123,53 @@ class _GatedLinear(torch.autograd.Function):
 
 
 class _GatedVariant(LoraVariant):
-    kind = "mask"
+    """peft's ``LoraVariant`` hooks for a gated update ``G * (s B A)``: the merge, the unmerge and the forward of a
+    layer with dropout or several adapters (the common case runs :meth:`MaskLoraLinear.forward`)."""
+
+    gating = "mask"  # what gates the update: the mask M, or the weight W
 
     @staticmethod
-    def init(module, adapter_name, **kwargs) -> None:
+    def init(module: LoraLinear, adapter_name: str, **kwargs) -> None:
+        """Nothing beyond peft's own init of A and B."""
         pass  # peft's init of A and B (B = 0): the update starts at zero, the scaling at ones
 
     @classmethod
-    def delta(cls, module, adapter: str, weight: torch.Tensor) -> torch.Tensor:
+    def delta(cls, module: LoraLinear, adapter: str, weight: torch.Tensor) -> torch.Tensor:
+        """The update ``G * (s B A)`` the merge adds to ``weight``, computed in float32, in ``weight``'s dtype."""
         a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
         compute = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
         product = b.to(compute) @ a.to(compute)
-        return (product * gate_of(weight, cls.kind).to(compute) * module.scaling[adapter]).to(weight.dtype)
+        return (product * gate_of(weight, cls.gating).to(compute) * module.scaling[adapter]).to(weight.dtype)
 
     @classmethod
-    def merge_safe(cls, module, active_adapter, orig_weight):
+    def merge_safe(cls, module: LoraLinear, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
+        """The merged weight, as a new tensor."""
         return orig_weight + cls.delta(module, active_adapter, orig_weight)
 
     @classmethod
-    def merge_unsafe(cls, module, active_adapter, orig_weight) -> None:
+    def merge_unsafe(cls, module: LoraLinear, active_adapter: str, orig_weight: torch.Tensor) -> None:
+        """The update merged into ``orig_weight`` in place."""
         orig_weight.data += cls.delta(module, active_adapter, orig_weight.data)
 
     @classmethod
-    def unmerge(cls, module, active_adapter, orig_weight):
+    def unmerge(cls, module: LoraLinear, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
+        """The weight before the merge."""
         # ScaleLoRA: W' = W (1 + D) gives W = W' / (1 + D) where 1 + D is nonzero; MaskLoRA: W' - M D (M unchanged)
-        if cls.kind == "scale":
+        if cls.gating == "scale":
             a, b = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
             factor = 1 + (b.float() @ a.float()) * module.scaling[active_adapter]
             return (orig_weight.float() / factor).to(orig_weight.dtype)
         return orig_weight - cls.delta(module, active_adapter, orig_weight)
 
     @classmethod
-    def forward(cls, module, active_adapter, x, result, **kwargs):
+    def forward(
+        cls, module: LoraLinear, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs
+    ) -> torch.Tensor:
+        """``result`` (the base layer's output) plus the gated update of ``x`` (after the adapter's dropout)."""
         a, b = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
         weight = module.get_base_layer().weight
         x = module.lora_dropout[active_adapter](x)
-        update = _GatedLinear.apply(x, weight, None, a, b, module.scaling[active_adapter], cls.kind, False)
+        update = _GatedLinear.apply(x, weight, None, a, b, module.scaling[active_adapter], cls.gating, False)
         return result + update.to(result.dtype)
 
     def supports_lora_conversion(self) -> bool:
@@ -166,11 +177,11 @@ class _GatedVariant(LoraVariant):
 
 
 class MaskLoraVariant(_GatedVariant):
-    kind = "mask"
+    gating = "mask"  # what gates the update: the mask M, or the weight W
 
 
 class ScaleLoraVariant(_GatedVariant):
-    kind = "scale"
+    gating = "scale"  # what gates the update: the mask M, or the weight W
 
 
 class MaskLoraLinear(LoraLinear):
@@ -194,7 +205,7 @@ class MaskLoraLinear(LoraLinear):
             return super().forward(x, *args, **kwargs)
         (name,) = adapters
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        return _GatedLinear.apply(x, base.weight, base.bias, a, b, self.scaling[name], self.variant.kind, True)
+        return _GatedLinear.apply(x, base.weight, base.bias, a, b, self.scaling[name], self.variant.gating, True)
 
     def get_delta_weight(self, adapter) -> torch.Tensor:
         return self.variant.delta(self, adapter, self.get_base_layer().weight)

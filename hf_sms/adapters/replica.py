@@ -245,7 +245,7 @@ def layer_update(
         a = state[f"{prefix}.lora_A.{adapter}.weight"].to(base.device, torch.float32)
         b = state[f"{prefix}.lora_B.{adapter}.weight"][rows].to(base.device, torch.float32)
         product = w * (b @ a) if product is None else product.add_(b @ a, alpha=w)
-    return product.mul_(gate_of(base, layer.variant.kind).float()).mul_(layer.scaling[adapter])
+    return product.mul_(gate_of(base, layer.variant.gating).float()).mul_(layer.scaling[adapter])
 
 
 @torch.no_grad()

@@ -16,8 +16,8 @@ from ..pruning.allocations import get_allocation, parse_n_of_m
 from ..pruning.criteria import CriterionContext, criterion_scores
 from ..pruning.masks import PruningStep, apply_masks, check_sparsity, validate_masks
 from ..pruning.prunable import Masks, PrunableTensor, call_order_uses, check_weights_loaded
-from ..pruning.select import LazyMapping
 from ..pruning.selection import ModuleSelection
+from ..pruning.top_k import LazyMapping
 from ..registry import ALLOCATIONS, CRITERIA
 from .structures import Final, Structure, get_structure
 
@@ -64,6 +64,13 @@ class PruningPlan:
         tensors = self.tensors(model)
         if not tensors:
             raise ValueError("model has no prunable weights (linear, convolution or embedding layers)")
+        for t in tensors:  # NaN ranks above every weight: the masks would be wrong, and the run blame training
+            flat = t.param.detach().reshape(-1)
+            if any(not bool(torch.isfinite(chunk).all()) for chunk in flat.split(1 << 24)):
+                raise ValueError(
+                    f"{t.name} holds NaN or infinite values before pruning: the model arrived broken (check how it "
+                    "was loaded or trained); magnitudes of non-finite weights cannot be ranked"
+                )
         if example_inputs is not None:
             uses = call_order_uses(model, example_inputs)
             tensors = [replace(t, uses=tuple(uses.get(id(t.param), ()))) for t in tensors]
@@ -86,8 +93,7 @@ class PruningPlan:
         def stored(name: str) -> torch.Tensor:  # no float32 copy: an elementwise criterion converts chunk by chunk
             return params[name].detach() if zero_where_pruned(name) else weight(name)
 
-        current, weights = LazyMapping(params, current_mask), LazyMapping(params, weight)
-        weights.stored = LazyMapping(params, stored)
+        current, weights = LazyMapping(params, current_mask), LazyMapping(params, weight, LazyMapping(params, stored))
         context = CriterionContext(model, example_inputs, self.seed)
         scores = criterion_scores(self.criterion, tensors, weights, context)
         new = self.structure.masks(model, tensors, scores, current, float(sparsity), example_inputs)
@@ -275,7 +281,8 @@ def compute_masks(
             ``lm_head`` stay dense, as Wanda and SparseGPT leave them). :mod:`hf_sms.pruning.selection`.
 
     Returns:
-        ``{parameter name: bool tensor}`` on the weights' devices, ``True`` where the weight is kept.
+        A ``dict`` ``{parameter name: bool tensor}`` on the weights' devices, ``True`` where the weight is kept
+        (yours to edit: a run holds them as bits internally, :class:`hf_sms.pruning.masks.PackedMasks`).
         Exactly ``round(sparsity * n)`` weights (or units) are pruned per allocation unit unless earlier masks
         already prune more.
     """
@@ -284,7 +291,7 @@ def compute_masks(
     )
     if plan.cuts_units and unit_multiple > 1:  # a multiple that keeps every unit: refused here too, as a run does
         plan.structure.check_multiple(plan.structure.groups(model, example_inputs), sparsity)
-    return plan.masks(model, sparsity, masks, example_inputs)
+    return dict(plan.masks(model, sparsity, masks, example_inputs).items())
 
 
 def prune(

@@ -179,6 +179,19 @@ class Units(Structure):
 
     def masks(self, model, tensors, scores, current, sparsity, batch):
         groups = self.groups(model, batch)
+        selected = {t.name for t in tensors}
+        skipped = [g for g in groups if any(m.name not in selected for m in g.masked)]
+        if skipped:  # a unit is cut in every layer that holds it: one the selection leaves dense keeps its units
+            layers = ", ".join(sorted({m.name for g in skipped for m in g.masked if m.name not in selected})[:4])
+            groups = [g for g in groups if g not in skipped]
+            if not groups:
+                raise ValueError(
+                    f"structure={'+'.join(self.kinds)!r}: every group of units is also read or made by a layer that "
+                    f"prune_modules / skip_modules leave dense ({layers}), so none can be cut: prune those layers "
+                    "too, or prune weights (structure='unstructured')"
+                )
+            message = f"%d %s groups stay dense: {layers} (left dense by prune_modules / skip_modules) hold their "
+            tell_once(model, [g.name for g in skipped], message + "units: %s", len(skipped), "/".join(self.kinds))
         if not groups:
             raise ValueError(self.nothing(model, batch))
         return unit_masks(groups, scores, current, sparsity, self.unit_multiple, own_kernels=self.own_kernels)

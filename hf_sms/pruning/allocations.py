@@ -20,7 +20,7 @@ import torch
 from ..registry import ALLOCATIONS
 from .masks import PackedMasks
 from .prunable import Masks, PrunableTensor, first_use, last_use
-from .select import ElementwiseScores, Lazy, top_k
+from .top_k import ElementwiseScores, Lazy, LazyMapping, top_k
 
 Allocation = Callable[[list[PrunableTensor], dict[str, torch.Tensor], Masks, float], Masks]
 register_allocation = ALLOCATIONS.register
@@ -48,14 +48,15 @@ def _n_keep(numel: int, sparsity: float, alive: int) -> int:
 def _global_top(tensors, scores: dict[str, torch.Tensor], masks: Masks, sparsity: float) -> Masks:
     # an elementwise criterion's scores computed chunk by chunk from the weights, never all at once
     lazy = isinstance(scores, ElementwiseScores)
-    if lazy or all(scores[t.name].dtype != torch.float64 for t in tensors):  # no concatenated copy (select.py)
+    if lazy or all(scores[t.name].dtype != torch.float64 for t in tensors):  # no concatenated copy (top_k.py)
         numel = sum(t.param.numel() for t in tensors)
         alive = sum(int(torch.count_nonzero(masks[t.name])) for t in tensors)  # a bool sum() upcasts to int64
         n_keep = _n_keep(numel, sparsity, alive)
         given, names = scores.weights if lazy else scores, [t.name for t in tensors]
         transform = scores.fn if lazy else None
-        if lazy and getattr(given, "stored", None) is not None:  # a bf16 model's weights as stored, no fp32 copy:
-            given, fn = given.stored, scores.fn  # |w| and w**2 of each chunk in float32, the copy's very values
+        if lazy and isinstance(given, LazyMapping) and given.stored is not None:
+            # a bf16 model's weights as stored, no fp32 copy: |w| and w**2 of each chunk in float32, the copy's values
+            given, fn = given.stored, scores.fn
 
             def transform(part, fn=fn):
                 return fn(part.float())
@@ -120,11 +121,13 @@ def erk_densities(shapes: dict[str, tuple[int, ...]], sparsity: float) -> dict[s
     Layers whose density would exceed 1 are made dense and the rest re-solved.
     """
     numel = {n: math.prod(s) for n, s in shapes.items()}
-    raw = {n: sum(s) / numel[n] for n, s in shapes.items()}
+    dense = {n for n, k in numel.items() if k == 0}  # a zero-size layer has nothing to prune (and no density)
+    raw = {n: sum(s) / numel[n] for n, s in shapes.items() if n not in dense}
     budget = (1.0 - sparsity) * sum(numel.values())
-    dense: set[str] = set()
     while True:
         rest = [n for n in shapes if n not in dense]
+        if not rest:
+            return dict.fromkeys(shapes, 1.0)
         eps = (budget - sum(numel[n] for n in dense)) / sum(raw[n] * numel[n] for n in rest)
         # The tolerance keeps float error from making every layer "too dense" (0/0 at sparsity 0).
         too_dense = {n for n in rest if eps * raw[n] > 1.0 + 1e-9}

@@ -162,7 +162,7 @@ def reported_tests(run: dict) -> list[str]:
 def plot_results(runs: list[dict], path: str, splits: list[str] | None = None, ylabel: str = "metric") -> None:
     """PNG of each test metric vs sparsity (one panel per test set), one line per method, mean ± std over runs;
     the dense model is the dashed line. With pair soups (``pairwise_soups``) a last panel scatters each pair's soup
-    against the mean of its two ingredients on the first test set, one colour per phase (the paper's appendix)."""
+    against the better of its two ingredients on the first test set, one colour per phase (the paper's appendix)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -86,6 +86,18 @@ def departures(args, model=None) -> list[str]:
     optim = str(getattr(args, "optim", "sgd")).split(".")[-1].lower()
     if "sgd" not in optim:
         out.append(f"replicas retrain with {optim} (optim; the paper retrains with SGD, momentum 0.9)")
+    else:  # transformers' SGD takes its momentum from optim_args only: 0 where they name none
+        given = dict(
+            kv.split("=", 1)
+            for kv in str(getattr(args, "optim_args", None) or "").replace(" ", "").split(",")
+            if "=" in kv
+        )
+        momentum = float(given.get("momentum", 0))
+        if momentum != 0.9:
+            out.append(
+                f"replicas retrain with SGD at momentum {momentum:g} (optim_args; the paper's is 0.9: "
+                "optim_args='momentum=0.9')"
+            )
     decays = [args.weight_decay, *(getattr(args, "replica_weight_decays", None) or ())]
     if not any(d > 0 for d in decays):
         out.append("no weight decay (weight_decay=0; the paper retrains with its pretraining's, e.g. 1e-4 or 5e-4)")

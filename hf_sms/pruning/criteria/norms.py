@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..select import ElementwiseScores
+from ..top_k import ElementwiseScores
 from . import register_criterion
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from ...batchnorm import forward_batch
 from ..prunable import _layer_weights, accepts_labels, unfused_attention
-from ..select import LazyMapping
+from ..top_k import LazyMapping
 from . import register_criterion
 
 

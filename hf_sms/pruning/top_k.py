@@ -53,10 +53,13 @@ class Lazy(Sequence):
 
 
 class LazyMapping(Mapping):
-    """``{key: make(key)}``, each made when it is asked for and never held (as :class:`Lazy`)."""
+    """``{key: make(key)}``, each made when it is asked for and never held (as :class:`Lazy`).
 
-    def __init__(self, keys, make: Callable):
-        self._keys, self.make = dict.fromkeys(keys), make
+    ``stored``: the same tensors as they are stored (a bf16 model's weights, no float32 copy), where an elementwise
+    criterion can convert them chunk by chunk itself; ``None`` where there is no such view."""
+
+    def __init__(self, keys, make: Callable, stored: LazyMapping | None = None):
+        self._keys, self.make, self.stored = dict.fromkeys(keys), make, stored
 
     def __getitem__(self, key):
         if key not in self._keys:
@@ -101,7 +104,7 @@ def top_k(
     ``transform(scores)``, applied chunk by chunk (:class:`ElementwiseScores`: ``scores`` are then the weights).
     ``scores`` and ``masks`` are read one tensor at a time, in order: they may be made as they are asked for
     (:class:`Lazy`), given ``like``, tensors of their shapes and devices (the weights). ``packed_bits``: each mask
-    as :func:`hf_sms.pruning.masks.pack_bits` packs it (uint8), as it is built."""
+    as :func:`hf_sms.pruning.bits.pack_bits` packs it (uint8), as it is built."""
     like = list(scores) if like is None else like
     total = sum(s.numel() for s in like)
 
