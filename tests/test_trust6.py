@@ -335,3 +335,83 @@ def test_compute_masks_gives_a_dict_whose_edits_stick():
     masks["fc1.weight"].fill_(True)
     masks["fc2.weight"] = torch.zeros(16, 16, dtype=torch.bool)
     assert bool(masks["fc1.weight"].all()) and not bool(masks["fc2.weight"].any())
+
+
+@pytest.mark.parametrize("kind", ["mask_lora", "scale_lora", "bias_norm", "mask_lora_bias_norm"])
+def test_gradient_checkpointing_gives_the_same_soup_for_every_subset_kind(tmp_path, kind):
+    """Issue 53 items 6 and 8: long sequences need gradient checkpointing; with it every subset kind (PERP's
+    default combination included) trains the same replicas, up to rounding, and keeps the mask exactly."""
+    from zoo import _hf
+
+    from hf_sms import SparseSoupConfig
+    from hf_sms.evaluation.metrics import NegativePerplexity
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": (x := torch.randint(1, 64, (8,), generator=g)), "labels": x.clone()} for _ in range(24)]
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, attention_bias=True, use_cache=False)  # fmt: skip
+    start = _hf("LlamaForCausalLM", "LlamaConfig", **config)().state_dict()
+    soups = []
+    for checkpointing in (False, True):
+        model = _hf("LlamaForCausalLM", "LlamaConfig", **config)()
+        args = SparseSoupConfig(output_dir=str(tmp_path / str(checkpointing)), target_sparsity=0.5, n_phases=1,
+                                num_replicas=2, max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                                optim="adamw_torch", report_to="none", use_cpu=True, replica_params=kind,
+                                measure_speedup=False, disable_tqdm=True, lora_rank=2, retrain_schedule="llr",
+                                gradient_checkpointing=checkpointing)  # fmt: skip
+        soup, _ = run_sms(model, args, rows[:16], NegativePerplexity(), eval_dataset=rows[16:20],
+                          test_dataset=rows[20:])  # fmt: skip
+        soups.append(soup.state_dict())
+    for name, value in soups[1].items():
+        torch.testing.assert_close(value, soups[0][name], rtol=1e-4, atol=1e-5, msg=name)
+        if value.dim() > 1 and "embed" not in name and "lm_head" not in name:  # the pruned weights: the same zeros
+            assert torch.equal(value == 0, soups[0][name] == 0), name
+    moved = sum(int((soups[1][n] != start[n]).sum()) for n in start if "norm" in n or n.endswith("bias"))
+    assert (moved > 0) == (kind != "mask_lora" and kind != "scale_lora")  # biases and norms train where asked
+
+
+@pytest.mark.parametrize("kind", ["mask_lora", "scale_lora"])
+def test_gpt2_conv1d_layers_are_adapted_with_their_mask_kept(tmp_path, kind):
+    """Issue 53 item 7: GPT-2's Conv1D (a linear layer storing its weight as (in, out), peft's fan_in_fan_out) was
+    refused as a convolution. Now it is adapted: the replica's forward is W + G * (s B A) in Conv1D's orientation,
+    the soup and merge_adapters keep every zero and equal the update merged by hand."""
+    import copy
+
+    from zoo import _hf
+
+    import hf_sms
+    from hf_sms import SparseSoupConfig
+    from hf_sms.adapters.replica import make_replica
+    from hf_sms.evaluation.metrics import NegativePerplexity
+
+    model = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16)()
+    hf_sms.prune(model, 0.5)
+    zeros = {n: p == 0 for n, p in model.named_parameters() if n.endswith(("c_attn.weight", "c_fc.weight"))}
+    assert zeros and all(bool(z.any()) for z in zeros.values())
+    args = SparseSoupConfig(output_dir=str(tmp_path / "r"), target_sparsity=0.5, replica_params=kind, lora_rank=2,
+                            use_cpu=True, report_to="none")  # fmt: skip
+    replica = make_replica(model, args)
+    layer = replica.transformer.h[0].attn.c_attn
+    assert layer.fan_in_fan_out and type(layer).__name__.startswith(kind.split("_")[0].capitalize())
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_()
+    x = torch.randn(2, 5, 32)
+    w = layer.get_base_layer().weight  # (in, out)
+    update = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight).T * layer.scaling["default"]
+    gate = (w != 0).float() if kind == "mask_lora" else w
+    want = x @ (w + gate * update) + layer.get_base_layer().bias
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    merged = hf_sms.merge_adapters(copy.deepcopy(replica))
+    torch.testing.assert_close(merged.transformer.h[0].attn.c_attn.weight, w + gate * update, rtol=1e-5, atol=1e-6)
+    # a whole phase: the soup keeps every zero of the Conv1D weights
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": (t := torch.randint(1, 64, (8,), generator=g)), "labels": t.clone()} for _ in range(16)]
+    run = SparseSoupConfig(output_dir=str(tmp_path / "run"), target_sparsity=0.5, n_phases=1, num_replicas=2,
+                           max_steps=2, per_device_train_batch_size=4, report_to="none", use_cpu=True,
+                           replica_params=kind, measure_speedup=False, disable_tqdm=True, lora_rank=2)  # fmt: skip
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in zeros}
+    soup, _ = run_sms(model, run, rows[:10], NegativePerplexity(), eval_dataset=rows[10:13], test_dataset=rows[13:])
+    params = dict(soup.named_parameters())
+    for name, z in zeros.items():
+        assert bool((params[name][z] == 0).all()), name  # every pruned weight still exactly zero
+        assert not torch.equal(params[name], before[name]), name  # and the adapters' mean update is in the soup

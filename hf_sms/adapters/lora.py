@@ -20,6 +20,12 @@ import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraVariant
 from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+def oriented(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as ``(out, in)``: GPT-2's ``Conv1D`` stores it transposed (peft's ``fan_in_fan_out``); a view."""
+    return weight.T if getattr(module, "fan_in_fan_out", False) else weight
 
 
 def gate_of(weight: torch.Tensor, gating: str) -> torch.Tensor:
@@ -135,11 +141,13 @@ class _GatedVariant(LoraVariant):
 
     @classmethod
     def delta(cls, module: LoraLinear, adapter: str, weight: torch.Tensor) -> torch.Tensor:
-        """The update ``G * (s B A)`` the merge adds to ``weight``, computed in float32, in ``weight``'s dtype."""
+        """The update ``G * (s B A)`` the merge adds to ``weight`` (as stored), computed in float32, in ``weight``'s
+        dtype."""
         a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
         compute = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
         product = b.to(compute) @ a.to(compute)
-        return (product * gate_of(weight, cls.gating).to(compute) * module.scaling[adapter]).to(weight.dtype)
+        gate = gate_of(oriented(module, weight), cls.gating).to(compute)
+        return oriented(module, product * gate * module.scaling[adapter]).to(weight.dtype)
 
     @classmethod
     def merge_safe(cls, module: LoraLinear, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
@@ -157,7 +165,7 @@ class _GatedVariant(LoraVariant):
         # ScaleLoRA: W' = W (1 + D) gives W = W' / (1 + D) where 1 + D is nonzero; MaskLoRA: W' - M D (M unchanged)
         if cls.gating == "scale":
             a, b = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
-            factor = 1 + (b.float() @ a.float()) * module.scaling[active_adapter]
+            factor = oriented(module, 1 + (b.float() @ a.float()) * module.scaling[active_adapter])
             return (orig_weight.float() / factor).to(orig_weight.dtype)
         return orig_weight - cls.delta(module, active_adapter, orig_weight)
 
@@ -167,7 +175,7 @@ class _GatedVariant(LoraVariant):
     ) -> torch.Tensor:
         """``result`` (the base layer's output) plus the gated update of ``x`` (after the adapter's dropout)."""
         a, b = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
-        weight = module.get_base_layer().weight
+        weight = oriented(module, module.get_base_layer().weight)
         x = module.lora_dropout[active_adapter](x)
         update = _GatedLinear.apply(x, weight, None, a, b, module.scaling[active_adapter], cls.gating, False)
         return result + update.to(result.dtype)
@@ -189,6 +197,10 @@ class MaskLoraLinear(LoraLinear):
 
     variant = MaskLoraVariant
 
+    def __init__(self, base_layer: nn.Module, adapter_name: str, **kwargs) -> None:
+        super().__init__(base_layer, adapter_name, **kwargs)
+        self.fan_in_fan_out = isinstance(base_layer, Conv1D)  # per layer: GPT-2's Conv1D stores W transposed
+
     def resolve_lora_variant(self, *, config, **kwargs):
         return self.variant()
 
@@ -199,13 +211,14 @@ class MaskLoraLinear(LoraLinear):
         base = self.get_base_layer()
         if (
             args or kwargs or self.disable_adapters or self.merged or len(adapters) != 1
-            or not isinstance(self.lora_dropout[adapters[0]], nn.Identity) or type(base) is not nn.Linear
+            or not isinstance(self.lora_dropout[adapters[0]], nn.Identity) or type(base) not in (nn.Linear, Conv1D)
             or base.weight.requires_grad
         ):  # fmt: skip
             return super().forward(x, *args, **kwargs)
         (name,) = adapters
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        return _GatedLinear.apply(x, base.weight, base.bias, a, b, self.scaling[name], self.variant.gating, True)
+        weight = oriented(self, base.weight)
+        return _GatedLinear.apply(x, weight, base.bias, a, b, self.scaling[name], self.variant.gating, True)
 
     def get_delta_weight(self, adapter) -> torch.Tensor:
         return self.variant.delta(self, adapter, self.get_base_layer().weight)
@@ -232,5 +245,5 @@ def lora_config(kind: str, rank: int, alpha: float, targets: list[str], dropout:
     from peft import LoraConfig
 
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout, bias="none")
-    config._register_custom_module({nn.Linear: LAYERS[kind]})  # peft's (experimental) custom layer hook
+    config._register_custom_module({nn.Linear: LAYERS[kind], Conv1D: LAYERS[kind]})  # peft's custom layer hook
     return config

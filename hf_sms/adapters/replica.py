@@ -19,13 +19,14 @@ import torch
 from peft import inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from ..master_weights import HALF, MASTER, master_of
 from ..pruning.prunable import prunable_tensors
 from ..registry import REPLICA_PARAMS, SOUPS
 from ..seeding import derive_seed
 from ..soup.averaging import average_tensors
-from .lora import LAYERS, gate_of, lora_config, row_blocks
+from .lora import LAYERS, gate_of, lora_config, oriented, row_blocks
 from .merge import merge_adapters, plain_name
 
 State = dict[str, torch.Tensor]
@@ -129,11 +130,11 @@ def kind_of(args) -> ReplicaParams:
 
 
 def lora_targets(model: nn.Module, plan=None) -> list[str]:
-    """The default LoRA targets: every ``nn.Linear`` the run's ``plan`` prunes (every prunable one without a plan),
-    as full module names."""
+    """The default LoRA targets: every ``nn.Linear`` (and GPT-2's ``Conv1D``, a linear layer with its weight
+    transposed) the run's ``plan`` prunes (every prunable one without a plan), as full module names."""
     modules = dict(model.named_modules())
     names = [t.name.rsplit(".", 1)[0] for t in (plan.tensors(model) if plan is not None else prunable_tensors(model))]
-    return [n for n in dict.fromkeys(names) if isinstance(modules.get(n), nn.Linear)]
+    return [n for n in dict.fromkeys(names) if isinstance(modules.get(n), (nn.Linear, Conv1D))]
 
 
 def _module_of(model: nn.Module) -> dict[str, nn.Module]:
@@ -239,7 +240,7 @@ def layer_update(
 ):
     """The weighted sum of the replicas' updates of one MaskLoRA / ScaleLoRA layer (``states``: one trained state
     per replica) as the merge writes it, for the output ``rows`` of the base weight: dense, float32."""
-    base = layer.get_base_layer().weight[rows]
+    base = oriented(layer, layer.get_base_layer().weight)[rows]
     product = None
     for w, state in zip(weights, states):
         a = state[f"{prefix}.lora_A.{adapter}.weight"].to(base.device, torch.float32)
@@ -267,7 +268,7 @@ def soup_of_states(
     if kind.adapters is None:
         return model
     for prefix, layer in layers:
-        weight = params[plain_name(prefix) + ".weight"]
+        weight = oriented(layer, params[plain_name(prefix) + ".weight"])  # (out, in); a view of Conv1D's
         for rows in row_blocks(weight):  # a block of rows at a time: never a dense update of the whole layer
             block = weight[rows]
             summed = block.float().add_(layer_update(layer, states, weights, prefix, rows).mul_(block != 0))
@@ -296,7 +297,9 @@ def replica_distances(start: nn.Module, states: Sequence[State], args, template=
             sq[i, j] += float((states[i][name].double() - states[j][name].double()).square().sum())
     if kind.adapters is not None:
         for prefix, layer in lora_layers(template or make_replica(start, args)):
-            for rows in row_blocks(layer.get_base_layer().weight):  # a block of each replica's update at a time
+            for rows in row_blocks(
+                oriented(layer, layer.get_base_layer().weight)
+            ):  # a block of each replica's update at a time
                 deltas = [layer_update(layer, [s], [1.0], prefix, rows) for s in states]
                 for i, j in sq:
                     sq[i, j] += float((deltas[i].double() - deltas[j].double()).square().sum())
