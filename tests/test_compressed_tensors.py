@@ -82,7 +82,9 @@ def test_a_compressed_tensors_folder_opens_exactly_and_converts(tmp_path, fmt, s
     assert type(loaded) is LlamaForCausalLM and not hasattr(loaded.config, "quantization_config")
     want = model.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())  # every weight, its zeros too
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 64}')  # issue 54 item 4: it was dropped
     assert main(["convert", str(folder), "--output", str(tmp_path / "hf"), "--format", "bitmask"]) == 0
+    assert (tmp_path / "hf" / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
     again = hf_sms.load_sparse(str(tmp_path / "hf"))
     assert all(torch.equal(v, want[k]) for k, v in again.state_dict().items())
     assert main(["convert", str(folder), "--output", str(tmp_path / "hf")]) == 2  # not empty: --overwrite
@@ -122,3 +124,58 @@ def test_a_two_four_folder_stays_two_four_through_a_phase_of_mask_lora_replicas(
             now = params[name] != 0
             assert torch.equal(now, kept), name  # the very mask it arrived with
             assert bool((now.reshape(-1, 4).sum(-1) <= 2).all())
+
+
+def _edited(folder, edit):
+    """``folder``'s weights with ``edit(tensors)`` applied, written back."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_damaged_or_foreign_compressed_folders_say_what_is_wrong(tmp_path, capsys):
+    """Issue 54 item 4: a float16 layer in a float32 folder loaded a mixed-dtype model that failed at its first
+    forward; int8 values, a crafted config.json, a NaN in a shape and a truncated file gave raw errors."""
+    model = _pruned("unstructured")
+    name = "model.layers.0.mlp.up_proj"
+
+    def fresh(tag):
+        return _folder(model, tmp_path / tag, "sparse-bitmask")
+
+    folder = fresh("fp16")
+    _edited(folder, lambda t: t.__setitem__(f"{name}.compressed", t[f"{name}.compressed"].half()))
+    loaded = hf_sms.load_sparse(str(folder))
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    loaded(torch.randint(1, 64, (1, 5)))  # the first forward runs
+    torch.testing.assert_close(
+        loaded.state_dict()[f"{name}.weight"], model.state_dict()[f"{name}.weight"].half().float()
+    )
+
+    folder = fresh("int8")
+    _edited(folder, lambda t: t.__setitem__(f"{name}.compressed", t[f"{name}.compressed"].to(torch.int8)))
+    with pytest.raises(ValueError, match="not a floating-point weight: a quantized folder"):
+        hf_sms.load_sparse(str(folder))
+
+    folder = fresh("nan")
+    _edited(folder, lambda t: t.__setitem__(f"{name}.shape", torch.tensor([float("nan"), 32.0])))
+    with pytest.raises(ValueError, match="stored shape .* is not whole numbers"):
+        hf_sms.load_sparse(str(folder))
+
+    for architectures in (["AutoModelForCausalLM"], ["pipeline"]):
+        folder = fresh("arch" + architectures[0])
+        config = json.loads((folder / "config.json").read_text())
+        config["architectures"] = architectures
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match="names no transformers model class"):
+            hf_sms.load_sparse(str(folder))
+
+    folder = fresh("truncated")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        hf_sms.load_sparse(str(folder))
+    assert main(["convert", str(folder), "--output", str(tmp_path / "out")]) != 0  # a message, no traceback
+    err = capsys.readouterr().err
+    assert "model.safetensors is not a readable safetensors file" in err and "Traceback" not in err

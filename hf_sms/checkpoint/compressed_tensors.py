@@ -20,7 +20,7 @@ import os
 import numpy as np
 import torch
 from accelerate import init_empty_weights
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .constants import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
@@ -73,8 +73,16 @@ def decompress(name: str, parts: dict[str, torch.Tensor], fmt: str) -> torch.Ten
         missing.append("row_offsets")
     if missing:
         raise ValueError(f"{name}: the compressed weight lacks {missing}; the folder is incomplete")
-    shape = tuple(int(s) for s in parts["shape"].reshape(-1).tolist())
+    raw = parts["shape"].reshape(-1).tolist()
+    if not all(isinstance(s, int) or (math.isfinite(s) and s == int(s)) for s in raw):
+        raise ValueError(f"{name}: its stored shape {raw} is not whole numbers; the folder is damaged")
+    shape = tuple(int(s) for s in raw)
     values, bitmask = parts["compressed"], parts["bitmask"]
+    if not values.is_floating_point():  # int8 / fp8 values are a quantized folder, not only a sparse one
+        raise ValueError(
+            f"{name}: its values are stored as {values.dtype}, not a floating-point weight: a quantized folder, "
+            "which hf-sms does not read (dequantize it with llm-compressor / compressed-tensors first)"
+        )
     if len(shape) != 2 or min(shape) < 1 or tuple(bitmask.shape) != (shape[0], math.ceil(shape[1] / 8)):
         raise ValueError(f"{name}: shape {shape} and bitmask {tuple(bitmask.shape)} disagree")
     keep = _unpack(bitmask, shape)
@@ -99,19 +107,34 @@ def read_state(directory: str, fmt: str) -> dict[str, torch.Tensor]:
     """The folder's state dict with every compressed weight dense (one layer decompressed at a time)."""
     plain, grouped = {}, {}
     for path in _files(directory):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                module, _, part = key.rpartition(".")
-                if part in PARTS and module:
-                    grouped.setdefault(module, {})[part] = f.get_tensor(key)
-                else:
-                    plain[key] = f.get_tensor(key)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    module, _, part = key.rpartition(".")
+                    if part in PARTS and module:
+                        grouped.setdefault(module, {})[part] = f.get_tensor(key)
+                    else:
+                        plain[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as e:  # truncated or not safetensors: name the file
+            raise ValueError(f"{path} is not a readable safetensors file ({e}): the folder is damaged") from e
     for module, parts in grouped.items():
         if f"{module}.weight" in plain:
             raise ValueError(f"{directory}: {module} is stored both dense and compressed")
         plain[f"{module}.weight"] = decompress(module, parts, fmt)
         parts.clear()
-    return plain
+    return _one_dtype(directory, plain)
+
+
+def _one_dtype(directory: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every floating tensor in the widest floating dtype the folder holds (a float16 layer in a float32 folder
+    would give a model whose first forward fails on mixed dtypes); widening is exact, so nothing changes value."""
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(dtypes) <= 1:
+        return state
+    if dtypes == {torch.float16, torch.bfloat16}:  # neither holds the other exactly
+        raise ValueError(f"{directory} mixes float16 and bfloat16 weights: convert it to one dtype first")
+    wide = max(dtypes, key=lambda d: torch.finfo(d).bits)
+    return {k: t.to(wide) if t.is_floating_point() else t for k, t in state.items()}
 
 
 def load_compressed(directory: str, model: nn.Module | None = None, **kwargs) -> nn.Module:
@@ -128,9 +151,15 @@ def load_compressed(directory: str, model: nn.Module | None = None, **kwargs) ->
         plain = {k: v for k, v in config.items() if k != "quantization_config"}
         architecture = (plain.get("architectures") or [None])[0]
         cls = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
-        if cls is None:
-            raise ValueError(f"{directory}/{CONFIG_NAME} names no transformers class in 'architectures'")
-        auto = transformers.AutoConfig.for_model(**plain)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            raise ValueError(
+                f"{directory}/{CONFIG_NAME} names no transformers model class in 'architectures' "
+                f"({architecture!r}; e.g. 'LlamaForCausalLM'): pass model= a model of the folder's architecture"
+            )
+        try:
+            auto = cls.config_class.from_dict(plain)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"{directory}/{CONFIG_NAME} is not a {cls.config_class.__name__} ({e})") from e
         with init_empty_weights(include_buffers=False):
             model = cls._from_config(auto, **kwargs)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

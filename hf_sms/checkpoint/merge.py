@@ -241,7 +241,10 @@ def convert_checkpoint(directory: str, output: str, format: str = "dense", overw
             raise ValueError(f"{output} exists and is not empty: pass overwrite=True (--overwrite) to replace it")
         if os.path.abspath(output) == os.path.abspath(directory):
             raise ValueError("the output folder is the input folder: give another --output")
-        save_sparse(load_compressed(directory), output, format, recipe={"converted_from": "compressed-tensors"})
+        model = load_compressed(directory)
+        with atomic_folder(output, "replace" if overwrite else "new") as tmp:
+            copy_companion_files(directory, tmp)  # the tokenizer and generation config, as every convert keeps them
+            save_sparse(model, tmp, format, recipe={"converted_from": "compressed-tensors"})
         return read_sparsity(output)
     return merge_checkpoints([directory], output, "uniform", format, overwrite, _copy=True)
 
