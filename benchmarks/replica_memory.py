@@ -100,7 +100,8 @@ if s["timeline"]:
         if hasattr(owner, name):
             setattr(owner, name, watched(getattr(owner, name)))
 settings = dict(output_dir=tempfile.mkdtemp(), target_sparsity=0.5, n_phases=1, num_replicas=s["replicas"],
-                max_steps=s["steps"], per_device_train_batch_size=4, per_device_eval_batch_size=8, learning_rate=1e-4,
+                max_steps=s["steps"], per_device_train_batch_size=s["batch"], per_device_eval_batch_size=8,
+                learning_rate=1e-4,
                 optim="adamw_torch", disable_tqdm=True, report_to="none", seed=0, replica_params=s["kind"],
                 retrain_schedule="llr", lora_rank=16, lora_alpha=32, use_cpu=not cuda,
                 bf16=cuda and s["dtype"] != "bf16",
@@ -127,6 +128,7 @@ p.add_argument("--layers", type=int, nargs="+", default=None, help="decoder laye
 p.add_argument("--replicas", type=int, nargs="+", default=[3], help="m")
 p.add_argument("--steps", type=int, default=None, help="steps per replica (default: 2 for llama7b, 4 small)")
 p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 16 for llama7b, 64 small)")
+p.add_argument("--batch", type=int, default=4, help="sequences a training step")
 p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the dtype the model is loaded in")
 p.add_argument("--device", default="cpu", help="cpu (resident memory) or cuda (peak CUDA memory beyond the model)")
 p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in the backward")
@@ -161,6 +163,7 @@ for r in range(cli.rounds):
                 "hidden": cli.hidden,
                 "steps": steps,
                 "seq": seq,
+                "batch": cli.batch,
                 "dtype": cli.dtype,
                 "device": cli.device,
                 "checkpointing": cli.gradient_checkpointing,
