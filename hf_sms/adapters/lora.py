@@ -29,8 +29,10 @@ def oriented(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gate_of(weight: torch.Tensor, gating: str) -> torch.Tensor:
-    """``M = (W != 0)`` for ``"mask"``, ``W`` for ``"scale"`` (in ``weight``'s dtype)."""
-    return (weight != 0).to(weight.dtype) if gating == "mask" else weight
+    """``G``: ``M = (W != 0)`` for ``"mask"`` as ``|sign(W)|`` in ``weight``'s dtype (exactly 0 or 1, one vectorised
+    pass where a bf16 comparison is slow on the CPU; contiguous blocks: strided kernels are several times slower),
+    ``W`` itself for ``"scale"``."""
+    return weight.sign().abs_() if gating == "mask" else weight
 
 
 BLOCK = 1 << 20
@@ -50,13 +52,6 @@ def column_blocks(weight: torch.Tensor) -> list[slice]:
     out, inp = weight.shape
     cols = inp if weight.device.type != "cpu" else max(1, BLOCK // max(out, 1))
     return [slice(s, min(s + cols, inp)) for s in range(0, inp, cols)]
-
-
-def _gate(weight: torch.Tensor, gating: str) -> torch.Tensor:
-    """``G`` for a block of the frozen weight (contiguous: strided elementwise kernels are several times slower):
-    ``M = |sign(W)|`` (exactly 0 or 1, in one vectorised pass where ``W != 0`` is a slow bf16 comparison on the
-    CPU) or ``W`` itself."""
-    return weight.sign().abs_() if gating == "mask" else weight
 
 
 def _effective(weight, gate, a, b, scaling: float, gating: str, with_base: bool) -> torch.Tensor:
@@ -96,7 +91,7 @@ class _GatedLinear(torch.autograd.Function):
         a_, b_ = a.to(weight.dtype), b.to(weight.dtype)  # r-sized casts: the dense work runs in the layer's dtype
         for rows in blocks:
             w = weight[rows]
-            part = x2 @ _effective(w, _gate(w, gating), a_, b_[rows], scaling, gating, with_base).to(dtype).T
+            part = x2 @ _effective(w, gate_of(w, gating), a_, b_[rows], scaling, gating, with_base).to(dtype).T
             if out is None:
                 out = part
             else:
@@ -116,7 +111,7 @@ class _GatedLinear(torch.autograd.Function):
         a_, b_ = a.to(weight.dtype), b.to(weight.dtype)
         for cols in column_blocks(weight):
             w = weight[:, cols].contiguous()  # one copy of the block, then every pass over it contiguous
-            gate = _gate(w, gating)  # once for both uses
+            gate = gate_of(w, gating)  # once for both uses
             if need_x:
                 grad_x[:, cols] = grad2 @ _effective(w, gate, a_[:, cols], b_, scaling, gating, ctx.with_base).to(dtype)
             # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension: whole within the block
@@ -185,11 +180,11 @@ class _GatedVariant(LoraVariant):
 
 
 class MaskLoraVariant(_GatedVariant):
-    gating = "mask"  # what gates the update: the mask M, or the weight W
+    gating = "mask"
 
 
 class ScaleLoraVariant(_GatedVariant):
-    gating = "scale"  # what gates the update: the mask M, or the weight W
+    gating = "scale"
 
 
 class MaskLoraLinear(LoraLinear):

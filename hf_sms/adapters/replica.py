@@ -195,17 +195,15 @@ def _check_adapted(start: nn.Module, replica: nn.Module, args) -> None:
     """Refuse, before any training, adapted layers a soup cannot take: a layer peft adapts with its own LoRA (an
     embedding: no mask on its update), or one whose weight is tied to another (an lm_head tied to the embeddings:
     its update would have to move both)."""
-    names = {}
-    for name, p in start.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    weights = {n: p for n, p in start.named_parameters(remove_duplicate=False)}
+    weights = dict(start.named_parameters(remove_duplicate=False))
     for name, layer in lora_layers(replica):
         if not isinstance(layer, tuple(LAYERS.values())):
             raise ValueError(
                 f"lora_target_modules adapts {name} ({type(layer.get_base_layer()).__name__}), which "
                 f"{args.replica_params} cannot adapt under a mask (it adapts linear layers): leave it out"
             )
-        tied = [n for n in names.get(id(weights.get(f"{name}.weight")), []) if n != f"{name}.weight"]
+        own = weights.get(f"{name}.weight")
+        tied = [n for n, p in weights.items() if p is own and n != f"{name}.weight"] if own is not None else []
         if tied:
             raise ValueError(
                 f"lora_target_modules adapts {name}, whose weight is tied to {tied}: a soup of its adapters would "

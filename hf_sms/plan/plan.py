@@ -64,7 +64,7 @@ class PruningPlan:
         tensors = self.tensors(model)
         if not tensors:
             raise ValueError("model has no prunable weights (linear, convolution or embedding layers)")
-        for t in tensors:  # NaN ranks above every weight: the masks would be wrong, and the run blame training
+        for t in tensors:  # NaN ranks above every weight: the masks would be wrong, and the run would blame training
             flat = t.param.detach().reshape(-1)
             if any(not bool(torch.isfinite(chunk).all()) for chunk in flat.split(1 << 24)):
                 raise ValueError(
