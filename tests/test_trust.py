@@ -753,7 +753,9 @@ def test_a_run_from_public_weights_says_so_in_its_output_and_card(tmp_path, digi
     note = public_weights_note("timm/resnet50.a1_in1k")
     assert "validation split held out here was in the training data" in note and "pretrain_*" in note
     assert "validation split" not in public_weights_note("resnet50 encoder (imagenet)", saw_validation=False)
-    args = sms_config(tmp_path, n_phases=1, max_steps=2, measure_speedup=False, weight_decay=1e-4)
+    args = sms_config(
+        tmp_path, n_phases=1, max_steps=2, measure_speedup=False, weight_decay=1e-4, optim_args="momentum=0.9"
+    )
     with caplog.at_level(logging.WARNING, logger="hf_sms"):
         run_sms(_net(), args, train, ClassificationAccuracy(), eval_dataset=val, model_card={"notes": [note]})
     assert any(note in r.getMessage() for r in caplog.records)  # said in the run's output
