@@ -44,6 +44,18 @@ RUNS = {  # id: (recipe, extra flags, the named test sets every row must carry)
 }
 
 
+def _offline_env(scratch: Path) -> dict:
+    """A subprocess's environment: offline, this checkout importable, ``scratch`` as its temporary folder."""
+    return {
+        **os.environ,
+        "TMPDIR": str(scratch),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",  # tiny models: two OpenMP threads on shared cores run many times slower
+    }
+
+
 def _smoke(tmp_path, recipe, flags, nproc=1, fork_server=None):
     scratch = tmp_path / "tmp"  # the run's temporary folder, removed at its exit
     scratch.mkdir()
@@ -53,14 +65,7 @@ def _smoke(tmp_path, recipe, flags, nproc=1, fork_server=None):
         env = {"TMPDIR": str(scratch)}
         proc = fork_server.run(script[0], script[1:], cwd=tmp_path, env=env, timeout=600, nproc=nproc)
     else:
-        env = {
-            **os.environ,
-            "TMPDIR": str(scratch),
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "OMP_NUM_THREADS": "1",  # tiny models: two OpenMP threads on shared cores run many times slower
-        }
+        env = _offline_env(scratch)
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         command = (launcher if nproc > 1 else [sys.executable]) + script
         proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -149,3 +154,43 @@ def test_smoke_run_on_two_processes(smoke_runs, recipe):
 
         model = AutoModelForSeq2SeqLM.from_pretrained(runs[2] / "final_soup")
         assert hf_sms.sparsity_report(model)["sparsity"] == pytest.approx(0.5, abs=1e-3)
+
+
+def _weights_hash(folder: Path) -> str:
+    """SHA-256 of a saved soup's weights as the model loads them, in name order (bit patterns, -0.0 as +0.0)."""
+    import hashlib
+
+    from conftest import float_bits
+
+    import hf_sms
+
+    model = hf_sms.load_sparse(str(folder))
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        bits = float_bits(tensor) if tensor.is_floating_point() else tensor
+        digest.update(name.encode() + bits.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_causal_lm_recipe_soup_is_the_same_on_one_and_two_processes(smoke_runs, tmp_path):
+    """Issue 54 item 11: the causal-LM recipe's smoke run (MaskLoRA replicas) on 1 process, on ``torchrun
+    --nproc_per_node 2`` and on ``accelerate launch --cpu --num_processes 2`` (which starts one process without
+    MPI, and says so): the same soup, bit for bit."""
+    flags = ["--replica_params", "mask_lora"]
+    one, _ = smoke_runs("causal_lm", flags)
+    two, _ = smoke_runs("causal_lm", flags, nproc=2)
+    scratch, out = tmp_path / "tmp", tmp_path / "run"
+    scratch.mkdir()
+    env = _offline_env(scratch)
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    accelerate += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    script = [str(ROOT / "recipes" / "causal_lm.py"), "--smoke", *flags, "--output_dir", str(out)]
+    proc = subprocess.run(accelerate + script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "started one process" in proc.stderr and "torchrun --nproc_per_node N" in proc.stderr, proc.stderr[-4000:]
+    # subset replicas save their trained tensors only; replica1 is written by rank 1
+    replicas = sorted(str(p.parent.relative_to(two)) for p in two.glob("sms/phase*/replica*/replica.safetensors"))
+    assert replicas == [f"sms/phase{p}/replica{i}" for p in (1, 2) for i in (0, 1)]
+    runs = {"1 process": one, "torchrun 2": two, "accelerate 2": out}
+    hashes = {name: _weights_hash(run / "final_soup") for name, run in runs.items()}
+    assert len(set(hashes.values())) == 1, hashes
