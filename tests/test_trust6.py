@@ -337,6 +337,44 @@ def test_compute_masks_gives_a_dict_whose_edits_stick():
     assert bool(masks["fc1.weight"].all()) and not bool(masks["fc2.weight"].any())
 
 
+def test_an_unpruned_peft_model_whose_base_has_natural_zeros_is_pruned_to_the_target(tmp_path):
+    """Item 8: an unpruned BERT classifier with a LoRA (``task_type="SEQ_CLS"``) and ``target_sparsity=0.5`` saved
+    a model 0.1% sparse: the zero padding row of its word embeddings read as "arrives pruned". Zeros a model has
+    unpruned (a padding row, a zero-initialised tensor) say nothing; a model pruned before still keeps its zeros."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    import hf_sms
+    from hf_sms import SparseSoupConfig, SparseSoupTrainer
+
+    def bert():
+        torch.manual_seed(0)
+        config = BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+        )
+        model = BertForSequenceClassification(config)
+        torch.nn.init.zeros_(model.bert.encoder.layer[0].output.dense.weight)  # a zero-initialised layer
+        return model
+
+    rows = [{"input_ids": torch.randint(1, 64, (8,)), "labels": i % 2} for i in range(8)]
+    args = dict(max_steps=1, per_device_train_batch_size=4, report_to="none", use_cpu=True, disable_tqdm=True)
+    model = get_peft_model(bert(), LoraConfig(r=4, task_type="SEQ_CLS"))
+    assert int((model.base_model.model.bert.embeddings.word_embeddings.weight == 0).sum()) == 32  # the padding row
+    out = tmp_path / "unpruned"
+    trainer = SparseSoupTrainer(model, SparseSoupConfig(str(out), target_sparsity=0.5, **args), train_dataset=rows)
+    trainer.train()
+    trainer.save_model()
+    assert json.loads((out / "sparsity.json").read_text())["sparsity"] == pytest.approx(0.5, abs=2e-3)
+    pruned = bert()
+    hf_sms.prune(pruned, 0.3)
+    out = tmp_path / "pruned"
+    model = get_peft_model(pruned, LoraConfig(r=4, task_type="SEQ_CLS"))
+    trainer = SparseSoupTrainer(model, SparseSoupConfig(str(out), target_sparsity=0.5, **args), train_dataset=rows)
+    trainer.train()
+    trainer.save_model()
+    assert json.loads((out / "sparsity.json").read_text())["sparsity"] == pytest.approx(0.3, abs=2e-3)
+
+
 @pytest.mark.parametrize("kind", ["mask_lora", "scale_lora", "bias_norm", "mask_lora_bias_norm"])
 def test_gradient_checkpointing_gives_the_same_soup_for_every_subset_kind(tmp_path, kind):
     """Issue 53 items 6 and 8: long sequences need gradient checkpointing; with it every subset kind (PERP's

@@ -24,6 +24,18 @@ from .structures import Final, Structure, get_structure
 logger = logging.getLogger("hf_sms")
 
 
+def _pruned_zeros(weight: torch.Tensor, padding_idx: int | None) -> int:
+    """The zeros of ``weight`` that say a model was pruned: not those a model has unpruned (an embedding's
+    padding row, as BERT's; a zero-initialised tensor, which pruning never makes: it refuses to empty a layer)."""
+    nonzero = weight != 0
+    if not nonzero.any():
+        return 0
+    zeros = weight.numel() - int(nonzero.sum())
+    if padding_idx is not None:
+        zeros -= int((~nonzero[padding_idx]).sum())
+    return zeros
+
+
 @dataclass(frozen=True)
 class PruningPlan:
     """What every pruning step of a run does: the ``criterion`` scores every weight (``CRITERIA``), the
@@ -125,7 +137,8 @@ class PruningPlan:
         ``target`` says; without, it is pruned further only to a higher ``target``. Pruning an unpruned model, or
         a pruned one further, is said in the log. ``example()``: a batch, if the plan needs one."""
         tensors = self.tensors(model)
-        zeros = sum(t.param.numel() - int(torch.count_nonzero(t.param)) for t in tensors)
+        padding = {id(m.weight): m.padding_idx for m in model.modules() if isinstance(m, nn.Embedding)}
+        zeros = sum(_pruned_zeros(t.param.detach(), padding.get(id(t.param))) for t in tensors)
         now = zeros / max(sum(t.param.numel() for t in tensors), 1)
         if now > 0 and (adapted or target <= now + 1e-6):
             if abs(target - now) > 0.005:
