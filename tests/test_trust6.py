@@ -375,6 +375,29 @@ def test_an_unpruned_peft_model_whose_base_has_natural_zeros_is_pruned_to_the_ta
     assert json.loads((out / "sparsity.json").read_text())["sparsity"] == pytest.approx(0.3, abs=2e-3)
 
 
+def test_a_pspnet_on_smps_own_encoder_is_told_the_encoder_whose_widths_its_config_states(monkeypatch, caplog):
+    """Item 9: smp's own ``resnet18`` encoder has widths fixed by its name, so the default (fitted) filter prune
+    of a PSPNet on it can only cut the decoder (0.99x the parameters); the warning now names the way to a model
+    smp states and shrinks: timm's encoder of that name, which the default prunes to under half its parameters."""
+    import segmentation_models_pytorch as smp
+
+    import hf_sms
+    from hf_sms.plan import unit_groups
+
+    monkeypatch.setattr(unit_groups, "_TOLD", set())
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 64, 64)
+    own = smp.PSPNet(encoder_name="resnet18", encoder_weights=None, classes=3)
+    with caplog.at_level("WARNING", logger="hf_sms"):
+        hf_sms.compute_masks(own, 0.5, structure="filters", example_inputs=x)
+    assert "leaves 10 of 11 filters groups dense" in caplog.text and "encoder_name='tu-resnet18'" in caplog.text
+    timm_encoder = smp.PSPNet(encoder_name="tu-resnet18", encoder_weights=None, classes=3)
+    hf_sms.apply_masks(timm_encoder, hf_sms.compute_masks(timm_encoder, 0.5, structure="filters", example_inputs=x))
+    smaller = hf_sms.shrink(timm_encoder, x, structure="filters")
+    size = sum(p.numel() for p in smaller.parameters()) / sum(p.numel() for p in timm_encoder.parameters())
+    assert size < 0.5 and smaller._hub_mixin_config["encoder_name"] == "tu-resnet18"  # smp's own format
+
+
 @pytest.mark.parametrize("kind", ["mask_lora", "scale_lora", "bias_norm", "mask_lora_bias_norm"])
 def test_gradient_checkpointing_gives_the_same_soup_for_every_subset_kind(tmp_path, kind):
     """Issue 53 items 6 and 8: long sequences need gradient checkpointing; with it every subset kind (PERP's

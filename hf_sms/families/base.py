@@ -105,6 +105,10 @@ class Family:
         ``None`` where the family rebuilds nothing (plain torch: its code does)."""
         return None
 
+    def fit_hint(self, model: nn.Module) -> str:
+        """How to get a model whose config states more widths, for the warning about units it leaves dense."""
+        return ""
+
     def commit(self, model: nn.Module, overrides: dict) -> None:
         """Write ``overrides`` into ``model``'s config, so that its own save writes them."""
 

@@ -54,6 +54,18 @@ class SmpFamily(Family):
         parameter = inspect.signature(owner.__init__).parameters.get(knob.name)
         return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
+    def fit_hint(self, model):
+        import timm
+
+        name = str(self._config(model).get("encoder_name", ""))
+        if name.startswith("tu-") or not timm.is_model(name):
+            return ""
+        # smp's own encoders fix their widths by name and keep the stages the decoder never reads
+        return (
+            f" smp's own encoder {name!r} has widths fixed by its name; timm's (encoder_name='tu-{name}') has "
+            "widths smp's config states, and builds only the stages the decoder reads."
+        )
+
     def build(self, model, overrides):
         args = {**self._config(model), **overrides}
         args = {k: v for k, v in args.items() if v is not None or k not in overrides}

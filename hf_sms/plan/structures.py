@@ -169,7 +169,7 @@ class Units(Structure):
             left,
             "fit_config=True leaves %d of %d %s groups dense, since %s's config cannot state their "
             "widths: %s. Reported unit fractions count every unit; fit_config=False prunes them too (a smaller model "
-            "cut in place, saved with a plain route).",
+            "cut in place, saved with a plain route)." + family_of(model).fit_hint(model).replace("%", "%%"),
             len(left),
             len(groups),
             "/".join(self.kinds),
