@@ -16,6 +16,8 @@ variant, so they keep the zeros too.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraVariant
@@ -28,15 +30,17 @@ def oriented(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight.T if getattr(module, "fan_in_fan_out", False) else weight
 
 
-def gate_of(weight: torch.Tensor, gating: str) -> torch.Tensor:
-    """``G``: ``M = (W != 0)`` for ``"mask"`` as ``|sign(W)|`` in ``weight``'s dtype (exactly 0 or 1, one vectorised
-    pass where a bf16 comparison is slow on the CPU; contiguous blocks: strided kernels are several times slower),
-    ``W`` itself for ``"scale"``."""
-    return weight.sign().abs_() if gating == "mask" else weight
+def gate_of(weight: torch.Tensor, gating: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``G``: ``M = (W != 0)`` for ``"mask"``, in ``weight``'s dtype (exactly 0 or 1: a comparison written straight
+    into a float tensor is one vectorised pass, where a bool mask and its conversion are several times slower on the
+    CPU), ``W`` itself for ``"scale"``."""
+    if gating != "mask":
+        return weight
+    return torch.ne(weight, 0, out=torch.empty_like(weight) if out is None else out)
 
 
-BLOCK = 1 << 20
-"""Elements of a dense gated product (or a soup's update) made at a time on the CPU (2 MiB in bf16, 4 MiB in fp32):
+BLOCK = 1 << 22
+"""Elements of a dense gated product (or a soup's update) made at a time on the CPU (8 MiB in bf16, 16 MiB in fp32):
 see :class:`_GatedLinear`."""
 
 
@@ -54,15 +58,33 @@ def column_blocks(weight: torch.Tensor) -> list[slice]:
     return [slice(s, min(s + cols, inp)) for s in range(0, inp, cols)]
 
 
-def _effective(weight, gate, a, b, scaling: float, gating: str, with_base: bool) -> torch.Tensor:
-    """A block of the layer's effective weight: ``W + G * (s B A)`` (``with_base``) or the update ``G * (s B A)``
-    alone, from the block's ``weight`` and ``gate`` (``a`` and ``b`` already in their dtype): one small product and
-    one elementwise pass."""
-    if gating == "mask":  # M * (W + s B A) = W + M * (s B A), since W = M * W
-        out = torch.addmm(weight, b, a, alpha=scaling) if with_base else torch.mm(b, a).mul_(scaling)
-        return out.mul_(gate)
-    out = torch.mm(b, a)  # W * (1 + s B A) = W + s W * (B A)
-    return torch.addcmul(weight, weight, out, value=scaling) if with_base else out.mul_(weight).mul_(scaling)
+_workspace = threading.local()
+
+
+def _scratch(slot: int, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """A ``shape`` tensor for a block temporary, reused across blocks and steps on the CPU (at most :data:`BLOCK`
+    elements a slot, a few per thread): glibc serves fresh block-sized temporaries from its heap, where the small
+    tensors freed around them fragment it and the process grows by about a model's bytes over a run; elsewhere a
+    fresh tensor (the caching allocator reuses it)."""
+    if like.device.type != "cpu":
+        return like.new_empty(shape)
+    slots = _workspace.__dict__.setdefault("slots", {})
+    n, key = shape[0] * shape[1], (slot, like.dtype)
+    buf = slots.get(key)
+    if buf is None or buf.numel() < n:
+        buf = slots[key] = like.new_empty(n)
+    return buf[:n].view(shape)
+
+
+def _effective(weight, gate, a, b_s, gating: str, with_base: bool) -> torch.Tensor:
+    """A block of the layer's effective weight, ``W + G * (s B A)`` (``with_base``) or the update ``G * (s B A)``
+    alone, from the block's ``weight`` and ``gate`` (``b_s = s B`` and ``a`` in the weight's dtype): one rank-r
+    product and one fused elementwise pass, in reused block buffers."""
+    update = torch.mm(b_s, a, out=_scratch(1, weight.shape, weight))
+    eff = _scratch(2, weight.shape, weight)
+    if with_base:  # mask: M * (W + s B A) = W + M * (s B A), as W = M * W; scale: W * (1 + s B A)
+        return torch.addcmul(weight, update, gate, out=eff)
+    return torch.mul(update, gate, out=eff)
 
 
 class _GatedLinear(torch.autograd.Function):
@@ -71,10 +93,11 @@ class _GatedLinear(torch.autograd.Function):
     gradient ``s G * (grad^T x)``) in the layer's dtype, B A's small products beside them, and no optimizer step
     over the weight. Saves x, A, B and W (already held), never the dense effective weight (rebuilt in backward).
 
-    On the CPU the dense blocks are made a block of output rows (forward) or input columns (backward) at a time, so
-    every dense product is whole within its block (no bf16 sums across blocks) and no layer-sized temporary exists:
-    glibc serves those from its heap, where the small tensors freed around them fragment it, and a step of
-    whole-layer temporaries grows the process by about a model's bytes (benchmarks/replica_memory.py).
+    On the CPU the dense blocks are made a block of output rows (forward) or input columns (backward) at a time, in
+    buffers reused from block to block (:func:`_scratch`), so every dense product is whole within its block (no
+    bf16 sums across blocks) and no layer-sized temporary exists. The gate is made once per block and serves both
+    of the backward's uses. The CPU's time beyond the products goes to reading each weight from memory
+    (docs/benchmarks.md).
 
     With ``with_base`` the forward sees the effective weight in the layer's dtype, as the merge writes it (a bf16
     update below half a step of its weight rounds away there as in the merged model); its gradient is exact."""
@@ -87,15 +110,13 @@ class _GatedLinear(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         blocks = row_blocks(weight)
-        out = x2.new_empty(x2.shape[0], weight.shape[0]) if len(blocks) > 1 else None
-        a_, b_ = a.to(weight.dtype), b.to(weight.dtype)  # r-sized casts: the dense work runs in the layer's dtype
+        out = x2.new_empty(x2.shape[0], weight.shape[0])
+        a_, b_s = a.to(weight.dtype), (b * scaling).to(weight.dtype)  # r-sized: the dense work in the layer's dtype
         for rows in blocks:
             w = weight[rows]
-            part = x2 @ _effective(w, gate_of(w, gating), a_, b_[rows], scaling, gating, with_base).to(dtype).T
-            if out is None:
-                out = part
-            else:
-                out[:, rows] = part
+            gate = gate_of(w, gating, _scratch(0, w.shape, w))
+            eff = _effective(w, gate, a_, b_s[rows], gating, with_base).to(dtype)
+            torch.mm(x2, eff.T, out=out if len(blocks) == 1 else out[:, rows])
         if bias is not None and with_base:
             out += bias.to(dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -108,16 +129,18 @@ class _GatedLinear(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         grad_x = x2.new_empty(x2.shape) if need_x else None
         grad_a, grad_b = torch.empty_like(a), torch.zeros_like(b)
-        a_, b_ = a.to(weight.dtype), b.to(weight.dtype)
+        a_, b_s = a.to(weight.dtype), (b * scaling).to(weight.dtype)
+        grad_t = grad2.T.contiguous()  # once: every block's update gradient reads it
         for cols in column_blocks(weight):
-            w = weight[:, cols].contiguous()  # one copy of the block, then every pass over it contiguous
-            gate = gate_of(w, gating)  # once for both uses
+            w = weight[:, cols]
+            gate = gate_of(w, gating, _scratch(0, w.shape, w))  # once for both uses
             if need_x:
-                grad_x[:, cols] = grad2 @ _effective(w, gate, a_[:, cols], b_, scaling, gating, ctx.with_base).to(dtype)
+                eff = _effective(w, gate, a_[:, cols], b_s, gating, ctx.with_base).to(dtype)
+                torch.mm(grad2, eff, out=grad_x[:, cols])
             # dL/d(BA) = s * G * (grad^T x), summed over every leading dimension: whole within the block
-            g = (grad2.T @ x2[:, cols]).mul_(gate.to(dtype))  # s is applied to the small products
-            grad_b.add_((g @ a_[:, cols].T.to(dtype)).to(b.dtype), alpha=scaling)
-            grad_a[:, cols] = (b_.T.to(dtype) @ g).to(a.dtype).mul_(scaling)
+            g = torch.mm(grad_t, x2[:, cols], out=_scratch(1, w.shape, x2)).mul_(gate.to(dtype))
+            grad_b.add_((g @ a_[:, cols].T.to(dtype)).to(b.dtype), alpha=scaling)  # s applied to the small products
+            grad_a[:, cols] = (b_s.T.to(dtype) @ g).to(a.dtype)
         grad_bias = grad2.sum(0).to(ctx.bias_dtype) if ctx.with_base and ctx.needs_input_grad[2] else None
         grad_x = grad_x.reshape(x.shape).to(x.dtype) if need_x else None
         return grad_x, None, grad_bias, grad_a, grad_b, None, None, None
