@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 CHILD = r"""
 import json, statistics, sys, time
@@ -117,23 +118,25 @@ def main() -> None:
     for dtype in cli.dtypes:
         start = os.path.join(tmp, f"start-{dtype}.safetensors")
         make_start(start, dtype)
-        for _ in range(cli.rounds):
+        for round_ in range(cli.rounds):
             for tokens in cli.tokens:
-                for kind in cli.kinds:
-                    for code, root in codes.items():
-                        if code == "old" and kind not in HF_SMS:
-                            continue
-                        spec = dict(kind=kind, dtype=dtype, tokens=tokens, start=start, steps=cli.steps,
-                                    warmup=cli.warmup, threads=cli.threads, out=tempfile.mkdtemp(dir=tmp))  # fmt: skip
-                        env = {**os.environ, "OMP_NUM_THREADS": str(cli.threads), "HF_HUB_OFFLINE": "1",
-                               "PYTHONPATH": root}  # fmt: skip
-                        out = subprocess.run([sys.executable, script, json.dumps(spec)], env=env, capture_output=True,
-                                             text=True)  # fmt: skip
-                        if out.returncode:
-                            sys.exit(f"{code} {kind} {dtype} {tokens} failed:\n{out.stderr[-3000:]}")
-                        value = json.loads(out.stdout.strip().splitlines()[-1])["median"]
-                        results.setdefault((dtype, tokens, kind, code), []).append(value)
-                        print(f"{dtype} {tokens:>5} tokens {kind:>16} {code}: {value:.3f} s/step", flush=True)
+                runs = [(k, c) for k in cli.kinds for c in codes if c == "new" or k in HF_SMS]
+                # every other round in reverse: a process right after a large one runs measurably slower (the
+                # kernel still reclaiming its memory), so each variant takes each position as often
+                for kind, code in runs[:: -1 if round_ % 2 else 1]:
+                    root = codes[code]
+                    time.sleep(3)  # the previous process's memory given back before the next one starts
+                    spec = dict(kind=kind, dtype=dtype, tokens=tokens, start=start, steps=cli.steps,
+                                warmup=cli.warmup, threads=cli.threads, out=tempfile.mkdtemp(dir=tmp))  # fmt: skip
+                    env = {**os.environ, "OMP_NUM_THREADS": str(cli.threads), "HF_HUB_OFFLINE": "1",
+                           "PYTHONPATH": root}  # fmt: skip
+                    out = subprocess.run([sys.executable, script, json.dumps(spec)], env=env, capture_output=True,
+                                         text=True)  # fmt: skip
+                    if out.returncode:
+                        sys.exit(f"{code} {kind} {dtype} {tokens} failed:\n{out.stderr[-3000:]}")
+                    value = json.loads(out.stdout.strip().splitlines()[-1])["median"]
+                    results.setdefault((dtype, tokens, kind, code), []).append(value)
+                    print(f"{dtype} {tokens:>5} tokens {kind:>16} {code}: {value:.3f} s/step", flush=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"\nseconds per step, median of {cli.steps} steps after {cli.warmup} ({cli.threads} threads, "
           f"{cli.rounds} round(s)); one LLaMA-7B decoder layer, 50% pruned")  # fmt: skip
