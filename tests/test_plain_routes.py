@@ -74,9 +74,14 @@ def _smaller(name):
     return smaller, x
 
 
-def test_smaller_models_load_without_hf_sms(tmp_path):
+CI = ["efficientnet_b0", "bloom", "smp_pspnet", "torchvision_resnet"]  # each route; the rest with -m slow
+
+
+@pytest.mark.parametrize("names", [CI, pytest.param([n for n in CASES if n not in CI], marks=pytest.mark.slow)])
+def test_smaller_models_load_without_hf_sms(tmp_path, names):
     jobs, expected = {}, {}
-    for name, (*_, route) in CASES.items():
+    for name in names:
+        route = CASES[name][-1]
         smaller, x = _smaller(name)
         folder = tmp_path / name
         # no record passed: found by its shapes against its config; a plain torch model has none, a run records it
@@ -112,10 +117,11 @@ def test_smaller_models_load_without_hf_sms(tmp_path):
     got = load_file(str(out))
     for name, y in expected.items():
         torch.testing.assert_close(got[name], y, rtol=1e-4, atol=1e-5, msg=name)
-    widths = tmp_path / "efficientnet_b0" / "pruned.txt"  # the card tells users to run it: the manifest covers it
+    timm_folder = tmp_path / next(n for n in names if CASES[n][-1] == "timm")
+    widths = timm_folder / "pruned.txt"  # the card tells users to run it: the manifest covers it
     widths.write_text(widths.read_text().replace("[", "[1", 1))
     with pytest.raises(CorruptionError, match="pruned.txt"):
-        inspect_checkpoint(str(tmp_path / "efficientnet_b0"))
+        inspect_checkpoint(str(timm_folder))
 
 
 def test_an_exported_program_takes_other_batch_sizes_and_lengths(tmp_path):
