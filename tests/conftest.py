@@ -36,8 +36,10 @@ def finished(out: Path, name: str = "sparsity.json") -> list[Path]:
     return sorted(p for p in out.rglob(name) if not any(part.startswith(TMP_PREFIX) for part in p.parts))
 
 
-# Tiny models run faster on one thread than on two fighting ones.
+# Tiny models run faster on one thread than on two fighting ones; so do the processes tests start (torch reads
+# OMP_NUM_THREADS when it is imported): two spinning threads a process ran 2x slower beside another job.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 class TinyCNN(nn.Module):
