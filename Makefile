@@ -1,8 +1,7 @@
 # One command sets up and runs each job on a fresh machine (Python >= 3.10 with pip).
 PY ?= python3
 # torch/torchvision are pinned to the last releases that import together on CPU-only machines here.
-# --no-compile: python compiles what it imports on first import, not all of torch's 5 GB at install (76 s vs 114 s here)
-INSTALL = $(PY) -m pip install -q --no-compile "torch==2.14.1" "torchvision==0.29.1" -e ".[dev,seg,ood]"
+INSTALL = $(PY) -m pip install -q "torch==2.14.1" "torchvision==0.29.1" -e ".[dev,seg,ood]"
 
 .PHONY: install demo test lint bench
 
