@@ -37,7 +37,7 @@ def finished(out: Path, name: str = "sparsity.json") -> list[Path]:
 
 
 # Tiny models run faster on one thread than on two fighting ones; so do the processes tests start (torch reads
-# OMP_NUM_THREADS when it is imported): two spinning threads a process ran 2x slower beside another job.
+# OMP_NUM_THREADS when it is imported): two threads beside another job ran 2.5x slower (docs/benchmarks.md, issue 21).
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
