@@ -113,6 +113,9 @@ def test_gated_low_rank_gradients_are_exact(kind, block, monkeypatch):
             return _GatedLinear.apply(x, w, bias if with_base else None, a, b, 0.7, kind, with_base)
 
         assert torch.autograd.gradcheck(layer, (x, a, b, bias))
+        gate = (w != 0).double() if kind == "mask" else w
+        want = x @ ((w if with_base else 0) + gate * (0.7 * b @ a)).T + (bias if with_base else 0)
+        torch.testing.assert_close(layer(x, a, b, bias), want, rtol=1e-12, atol=1e-12)  # the forward is the formula
 
 
 @settings(max_examples=25, deadline=None)
