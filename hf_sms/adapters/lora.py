@@ -76,6 +76,14 @@ def _scratch(slot: int, shape: tuple[int, int], like: torch.Tensor) -> torch.Ten
     return buf[:n].view(shape)
 
 
+def _block(weight: torch.Tensor, index) -> torch.Tensor:
+    """``weight[index]``, contiguous in a reused buffer on the CPU: read from memory once for the gate and the
+    effective weight, where a strided block (the backward's columns, a ``Conv1D``'s transposed rows) makes each
+    elementwise pass several times slower (the gate 7x on a column block); elsewhere the view itself."""
+    w = weight[index]
+    return _scratch(3, w.shape, w).copy_(w) if w.device.type == "cpu" else w
+
+
 def _effective(weight, gate, a, b_s, gating: str, with_base: bool) -> torch.Tensor:
     """A block of the layer's effective weight, ``W + G * (s B A)`` (``with_base``) or the update ``G * (s B A)``
     alone, from the block's ``weight`` and ``gate`` (``b_s = s B`` and ``a`` in the weight's dtype): one rank-r
@@ -116,7 +124,7 @@ class _GatedLinear(torch.autograd.Function):
         out = x2.new_empty(x2.shape[0], weight.shape[0])
         a_, b_s = a.to(weight.dtype), (b * scaling).to(weight.dtype)  # r-sized: the dense work in the layer's dtype
         for rows in blocks:
-            w = weight[rows]
+            w = _block(weight, rows)
             gate = gate_of(w, gating, _scratch(0, w.shape, w))
             eff = _effective(w, gate, a_, b_s[rows], gating, with_base).to(dtype)
             torch.mm(x2, eff.T, out=out if len(blocks) == 1 else out[:, rows])
@@ -135,7 +143,7 @@ class _GatedLinear(torch.autograd.Function):
         a_, b_s = a.to(weight.dtype), (b * scaling).to(weight.dtype)
         grad_t = grad2.T.contiguous()  # once: every block's update gradient reads it
         for cols in column_blocks(weight):
-            w = weight[:, cols]
+            w = _block(weight, (slice(None), cols))
             gate = gate_of(w, gating, _scratch(0, w.shape, w))  # once for both uses
             if need_x:
                 eff = _effective(w, gate, a_[:, cols], b_s, gating, ctx.with_base).to(dtype)
