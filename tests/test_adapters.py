@@ -116,6 +116,11 @@ def test_gated_low_rank_gradients_are_exact(kind, block, monkeypatch):
         gate = (w != 0).double() if kind == "mask" else w
         want = x @ ((w if with_base else 0) + gate * (0.7 * b @ a)).T + (bias if with_base else 0)
         torch.testing.assert_close(layer(x, a, b, bias), want, rtol=1e-12, atol=1e-12)  # the forward is the formula
+        strided = w.T.contiguous().T  # as GPT-2's Conv1D hands it over: the blocks are strided views
+        y = _GatedLinear.apply(x, strided, bias if with_base else None, a, b, 0.7, kind, with_base)
+        got = torch.autograd.grad(y.sum(), (x, a, b))
+        assert torch.equal(y, layer(x, a, b, bias))
+        assert all(torch.equal(u, v) for u, v in zip(got, torch.autograd.grad(layer(x, a, b, bias).sum(), (x, a, b))))
 
 
 @settings(max_examples=25, deadline=None)
