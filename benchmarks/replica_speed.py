@@ -45,7 +45,7 @@ g = torch.Generator().manual_seed(0)
 seq = s["tokens"] // 2
 rows = [{"input_ids": (x := torch.randint(1, 512, (seq,), generator=g)), "labels": x.clone()} for _ in range(64)]
 common = dict(output_dir=s["out"], max_steps=s["warmup"] + s["steps"], per_device_train_batch_size=2,
-              learning_rate=1e-4, optim="adamw_torch", report_to="none", use_cpu=True, disable_tqdm=True,
+              learning_rate=1e-4, optim=s["optim"], report_to="none", use_cpu=True, disable_tqdm=True,
               save_strategy="no", logging_strategy="no", seed=0, dataloader_num_workers=0)
 
 class Clock(TrainerCallback):
@@ -105,6 +105,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="steps left out first")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--optim", default="adamw_torch", help="transformers' optim for every variant (its default: "
+                   "adamw_torch_fused; adamw_torch, the foreach one, in the tables of docs/benchmarks.md)")
     p.add_argument("--rounds", type=int, default=1, help="each variant this many times, interleaved (median)")
     p.add_argument("--old", default=None, help="a checkout of hf-sms to run the hf-sms variants with too")
     cli = p.parse_args()
@@ -126,7 +128,7 @@ def main() -> None:
                 for kind, code in runs[:: -1 if round_ % 2 else 1]:
                     root = codes[code]
                     time.sleep(3)  # the previous process's memory given back before the next one starts
-                    spec = dict(kind=kind, dtype=dtype, tokens=tokens, start=start, steps=cli.steps,
+                    spec = dict(kind=kind, dtype=dtype, tokens=tokens, start=start, steps=cli.steps, optim=cli.optim,
                                 warmup=cli.warmup, threads=cli.threads, out=tempfile.mkdtemp(dir=tmp))  # fmt: skip
                     env = {**os.environ, "OMP_NUM_THREADS": str(cli.threads), "HF_HUB_OFFLINE": "1",
                            "PYTHONPATH": root}  # fmt: skip
