@@ -105,8 +105,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="steps left out first")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--optim", default="adamw_torch", help="transformers' optim for every variant (its default: "
-                   "adamw_torch_fused; adamw_torch, the foreach one, in the tables of docs/benchmarks.md)")
+    p.add_argument(
+        "--optim",
+        default="adamw_torch",
+        help="transformers' optim for every variant (its default: "
+        "adamw_torch_fused; adamw_torch, the foreach one, in the tables of docs/benchmarks.md)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="each variant this many times, interleaved (median)")
     p.add_argument("--old", default=None, help="a checkout of hf-sms to run the hf-sms variants with too")
     cli = p.parse_args()
